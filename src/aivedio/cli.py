@@ -1,0 +1,136 @@
+"""The ``aivedio`` command (operator contract in DESIGN.md).
+
+The CLI is the edge: it reads ``Settings`` from the environment once and hands each command the
+config objects it needs. Commands that print a result print one JSON line last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from aivedio.config import Settings
+
+ROLES = (
+    "all",
+    "api",
+    "callbacks",
+    "inbox",
+    "submitter",
+    "poller",
+    "relay",
+    "dispatcher",
+    "gateway",
+    "media",
+    "billing",
+    "reconciler",
+)
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, default=str), flush=True)
+
+
+def _cmd_services(args: argparse.Namespace, settings: Settings) -> int:
+    from aivedio.services import embedded
+
+    if args.action == "up":
+        cfg = settings.services
+        if args.data_dir:
+            cfg = embedded.with_data_dir(cfg, args.data_dir)
+        _print_json(embedded.up(cfg).as_dict())
+    else:
+        cfg = settings.services
+        if args.data_dir:
+            cfg = embedded.with_data_dir(cfg, args.data_dir)
+        embedded.down(cfg)
+    return 0
+
+
+def _cmd_migrate(args: argparse.Namespace, settings: Settings) -> int:
+    from aivedio.admin import run_migrate
+
+    applied = asyncio.run(run_migrate(settings))
+    _print_json({"applied": applied})
+    return 0
+
+
+def _cmd_admin(args: argparse.Namespace, settings: Settings) -> int:
+    from aivedio.admin import create_project
+
+    result = asyncio.run(create_project(settings, tenant=args.tenant, project=args.project))
+    _print_json(result)
+    return 0
+
+
+def _cmd_run(args: argparse.Namespace, settings: Settings) -> int:
+    from aivedio.roles import run_roles
+
+    roles = [r for part in args.role for r in part.split(",") if r]
+    unknown = sorted(set(roles) - set(ROLES))
+    if unknown:
+        print(f"unknown role(s): {', '.join(unknown)}; known: {', '.join(ROLES)}", file=sys.stderr)
+        return 2
+    return asyncio.run(run_roles(settings, roles, port=args.port))
+
+
+def _cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
+    from aivedio.demo import run_demo
+
+    return run_demo(settings, port=args.port)
+
+
+def _cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
+    from aivedio.bench import run_bench
+
+    return run_bench(settings, args.name, args.options)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aivedio", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    services = sub.add_parser("services", help="start or stop the embedded PostgreSQL/NATS/Valkey")
+    services.add_argument("action", choices=("up", "down"))
+    services.add_argument("--data-dir", default=None)
+    services.set_defaults(func=_cmd_services)
+
+    migrate = sub.add_parser("migrate", help="apply the database migrations (idempotent)")
+    migrate.set_defaults(func=_cmd_migrate)
+
+    admin = sub.add_parser("admin", help="administration")
+    admin_sub = admin.add_subparsers(dest="admin_command", required=True)
+    create = admin_sub.add_parser("create-project", help="create a tenant's project and API key")
+    create.add_argument("--tenant", required=True)
+    create.add_argument("--project", required=True)
+    create.set_defaults(func=_cmd_admin)
+
+    run = sub.add_parser("run", help="run roles in this process")
+    run.add_argument("--role", action="append", required=True, help=", ".join(ROLES))
+    run.add_argument("--port", type=int, default=None)
+    run.set_defaults(func=_cmd_run)
+
+    demo = sub.add_parser("demo", help="everything on embedded services, with the web UI")
+    demo.add_argument("--port", type=int, default=None)
+    demo.set_defaults(func=_cmd_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks; the last line printed is JSON")
+    bench.add_argument("name")
+    bench.add_argument("options", nargs="*", help="key=value options of the benchmark")
+    bench.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    settings = Settings.from_env()
+    func: Callable[[argparse.Namespace, Settings], int] = args.func
+    return func(args, settings)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

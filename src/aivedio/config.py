@@ -1,0 +1,117 @@
+"""Configuration: one typed settings object read from ``AIVEDIO_*`` once, at the edge.
+
+``Settings.from_env()`` is called by the CLI only. Each component receives the small config object
+it needs (``settings.database``, ``settings.api`` ...); no other module reads the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+@dataclass(frozen=True, slots=True)
+class DatabaseConfig:
+    url: str
+    min_size: int = 2
+    max_size: int = 10
+    acquire_timeout_s: float = 2.0
+    command_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class StateConfig:
+    """The state service's progress coalescing policy."""
+
+    coalesce_min_points: int = 5
+    coalesce_min_interval: timedelta = timedelta(seconds=1.5)
+
+
+@dataclass(frozen=True, slots=True)
+class ApiConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    public_url: str = "http://127.0.0.1:8000"
+    idempotency_ttl: timedelta = timedelta(hours=24)
+    retry_after_s: int = 2  # the Retry-After of a 503 when the database is unavailable
+    page_size_max: int = 200
+
+
+@dataclass(frozen=True, slots=True)
+class ServicesConfig:
+    """Where the embedded servers live when no URL is configured."""
+
+    data_dir: Path
+    database_url: str | None
+    redis_url: str | None
+    nats_url: str | None
+
+
+class Settings(BaseSettings):
+    """Every ``AIVEDIO_*`` variable, typed. Read once by the CLI."""
+
+    model_config = SettingsConfigDict(env_prefix="AIVEDIO_", extra="ignore", frozen=True)
+
+    database_url: str | None = None
+    redis_url: str | None = None
+    nats_url: str | None = None
+    data_dir: Path = Field(default=Path(".aivedio"))
+    public_url: str = "http://127.0.0.1:8000"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    db_pool_min: int = 2
+    db_pool_max: int = 10
+    db_acquire_timeout_s: float = 2.0
+    db_command_timeout_s: float = 10.0
+    coalesce_min_points: int = 5
+    coalesce_min_interval_s: float = 1.5
+    idempotency_ttl_s: int = 24 * 3600
+    sandbox_url: str = "http://127.0.0.1:8100"
+    sandbox_api_key: str = "sandbox-key"
+    sandbox_webhook_secrets: str = "whsec_c2FuZGJveC1kZWZhdWx0LXNlY3JldC0wMDAwMDAwMA=="
+    log_level: str = "INFO"
+
+    @classmethod
+    def from_env(cls) -> Settings:
+        return cls()
+
+    def database(self, url: str | None = None) -> DatabaseConfig:
+        resolved = url or self.database_url
+        if resolved is None:
+            raise ValueError("no database URL: set AIVEDIO_DATABASE_URL or run `services up`")
+        return DatabaseConfig(
+            url=resolved,
+            min_size=self.db_pool_min,
+            max_size=self.db_pool_max,
+            acquire_timeout_s=self.db_acquire_timeout_s,
+            command_timeout_s=self.db_command_timeout_s,
+        )
+
+    @property
+    def state(self) -> StateConfig:
+        return StateConfig(
+            coalesce_min_points=self.coalesce_min_points,
+            coalesce_min_interval=timedelta(seconds=self.coalesce_min_interval_s),
+        )
+
+    @property
+    def api(self) -> ApiConfig:
+        return ApiConfig(
+            host=self.host,
+            port=self.port,
+            public_url=self.public_url,
+            idempotency_ttl=timedelta(seconds=self.idempotency_ttl_s),
+        )
+
+    @property
+    def services(self) -> ServicesConfig:
+        return ServicesConfig(
+            data_dir=self.data_dir,
+            database_url=self.database_url,
+            redis_url=self.redis_url,
+            nats_url=self.nats_url,
+        )

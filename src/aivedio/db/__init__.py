@@ -1,0 +1,1 @@
+"""PostgreSQL: pool, named queries, migrations. The only package that imports asyncpg."""

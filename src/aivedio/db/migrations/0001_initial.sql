@@ -1,0 +1,217 @@
+-- aivedio schema, version 1: tenants, projects, keys, tasks, attempts, the callback inbox,
+-- per-project event streams, task events, the outbox, the observation audit, reconciliation
+-- items and idempotency keys. Seed 000 §12.5 plus DESIGN.md decisions 1-3.
+
+CREATE TABLE tenants (
+    id          UUID        PRIMARY KEY,
+    name        TEXT        NOT NULL,
+    created_at  TIMESTAMPTZ NOT NULL DEFAULT now(),
+    CONSTRAINT uq_tenant_name UNIQUE (name)
+);
+
+CREATE TABLE projects (
+    id          UUID        PRIMARY KEY,
+    tenant_id   UUID        NOT NULL REFERENCES tenants (id),
+    name        TEXT        NOT NULL,
+    created_at  TIMESTAMPTZ NOT NULL DEFAULT now(),
+    CONSTRAINT uq_project_name UNIQUE (tenant_id, name)
+);
+
+-- Keys are 256-bit random secrets: a SHA-256 digest is enough to store them (no slow hash needed).
+CREATE TABLE api_keys (
+    id          UUID        PRIMARY KEY,
+    tenant_id   UUID        NOT NULL REFERENCES tenants (id),
+    user_id     UUID        NOT NULL,
+    key_prefix  TEXT        NOT NULL,
+    key_hash    BYTEA       NOT NULL,
+    created_at  TIMESTAMPTZ NOT NULL DEFAULT now(),
+    revoked_at  TIMESTAMPTZ,
+    CONSTRAINT uq_api_key_hash UNIQUE (key_hash)
+);
+
+-- One row per project: events take head + 1 inside the state change's transaction, so seqs are
+-- contiguous and commit-ordered. A cursor of another epoch, ahead of head or below floor resets.
+CREATE TABLE event_streams (
+    project_id  UUID        PRIMARY KEY REFERENCES projects (id),
+    epoch       BIGINT      NOT NULL,
+    head        BIGINT      NOT NULL DEFAULT 0,
+    floor       BIGINT      NOT NULL DEFAULT 0,
+    updated_at  TIMESTAMPTZ NOT NULL DEFAULT now(),
+    CONSTRAINT ck_stream_floor CHECK (floor >= 0 AND floor <= head)
+);
+
+CREATE TABLE generation_tasks (
+    id                  UUID        PRIMARY KEY,
+    tenant_id           UUID        NOT NULL REFERENCES tenants (id),
+    project_id          UUID        NOT NULL REFERENCES projects (id),
+    user_id             UUID        NOT NULL,
+    provider            TEXT        NOT NULL,
+    model               TEXT        NOT NULL,
+    prompt              TEXT        NOT NULL,
+    params              JSONB       NOT NULL DEFAULT '{}'::jsonb,
+    status              TEXT        NOT NULL,
+    stage               TEXT        NOT NULL,
+    progress            SMALLINT,
+    version             BIGINT      NOT NULL DEFAULT 0,
+    last_event_id       BIGINT,
+    current_attempt_id  UUID,
+    error_code          TEXT,
+    error_message       TEXT,
+    asset_id            UUID,
+    progress_event_at   TIMESTAMPTZ,
+    terminal_at         TIMESTAMPTZ,
+    trace_id            TEXT,
+    created_at          TIMESTAMPTZ NOT NULL DEFAULT now(),
+    updated_at          TIMESTAMPTZ NOT NULL DEFAULT now(),
+    CONSTRAINT ck_task_status CHECK (status IN (
+        'created', 'submit_unknown', 'submitted', 'provider_queued', 'running', 'status_unknown',
+        'cancel_requested', 'provider_succeeded', 'processing_media', 'ready', 'failed', 'canceled')),
+    CONSTRAINT ck_task_progress CHECK (progress BETWEEN 0 AND 100),
+    CONSTRAINT ck_task_version CHECK (version >= 0)
+);
+
+CREATE INDEX idx_tasks_project_created ON generation_tasks (project_id, created_at DESC, id DESC);
+
+CREATE TABLE task_attempts (
+    id                  UUID        PRIMARY KEY,
+    task_id             UUID        NOT NULL REFERENCES generation_tasks (id),
+    attempt_no          INTEGER     NOT NULL,
+    provider            TEXT        NOT NULL,
+    model               TEXT        NOT NULL,
+    client_request_id   TEXT        NOT NULL,
+    provider_task_id    TEXT,
+    provider_status     TEXT,
+    last_provider_seq   BIGINT,
+    last_provider_at    TIMESTAMPTZ,
+    next_poll_at        TIMESTAMPTZ,
+    poll_failures       INTEGER     NOT NULL DEFAULT 0,
+    poll_lease_until    TIMESTAMPTZ,
+    reason              TEXT,
+    created_at          TIMESTAMPTZ NOT NULL DEFAULT now(),
+    updated_at          TIMESTAMPTZ NOT NULL DEFAULT now(),
+    CONSTRAINT uq_task_attempt_no UNIQUE (task_id, attempt_no),
+    CONSTRAINT uq_provider_task UNIQUE (provider, provider_task_id),
+    CONSTRAINT uq_client_request UNIQUE (provider, client_request_id),
+    CONSTRAINT ck_attempt_provider_status CHECK (provider_status IN (
+        'queued', 'running', 'succeeded', 'failed', 'canceled'))
+);
+
+ALTER TABLE generation_tasks
+    ADD CONSTRAINT fk_task_current_attempt FOREIGN KEY (current_attempt_id)
+    REFERENCES task_attempts (id) DEFERRABLE INITIALLY DEFERRED;
+
+CREATE TABLE provider_callback_inbox (
+    id                    BIGINT      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    provider              TEXT        NOT NULL,
+    dedup_key             TEXT        NOT NULL,
+    provider_event_id     TEXT,
+    provider_task_id      TEXT,
+    client_request_id     TEXT,
+    provider_occurred_at  TIMESTAMPTZ,
+    received_at           TIMESTAMPTZ NOT NULL DEFAULT now(),
+    signature_key_version TEXT,
+    payload_hash          BYTEA       NOT NULL,
+    payload               JSONB,
+    process_status        TEXT        NOT NULL DEFAULT 'pending',
+    retry_count           INTEGER     NOT NULL DEFAULT 0,
+    next_retry_at         TIMESTAMPTZ,
+    last_error_code       TEXT,
+    processed_at          TIMESTAMPTZ,
+    trace_id              TEXT,
+    CONSTRAINT uq_provider_callback_dedup UNIQUE (provider, dedup_key),
+    CONSTRAINT ck_inbox_status CHECK (process_status IN (
+        'pending', 'retry', 'processed', 'orphan', 'dead'))
+);
+
+CREATE INDEX idx_callback_inbox_pending ON provider_callback_inbox (next_retry_at, id)
+    WHERE process_status IN ('pending', 'retry', 'orphan');
+
+CREATE TABLE task_events (
+    project_id      UUID        NOT NULL REFERENCES projects (id),
+    epoch           BIGINT      NOT NULL,
+    seq             BIGINT      NOT NULL,
+    tenant_id       UUID        NOT NULL,
+    task_id         UUID        NOT NULL REFERENCES generation_tasks (id),
+    attempt_id      UUID,
+    task_version    BIGINT      NOT NULL,
+    event_type      TEXT        NOT NULL,
+    public_payload  JSONB       NOT NULL,
+    source          TEXT        NOT NULL,
+    trace_id        TEXT,
+    occurred_at     TIMESTAMPTZ,
+    created_at      TIMESTAMPTZ NOT NULL DEFAULT now(),
+    CONSTRAINT pk_task_events PRIMARY KEY (project_id, epoch, seq),
+    CONSTRAINT uq_task_version UNIQUE (task_id, task_version)
+);
+
+CREATE TABLE outbox_events (
+    id                  BIGINT      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    aggregate_type      TEXT        NOT NULL,
+    aggregate_id        UUID        NOT NULL,
+    aggregate_version   BIGINT      NOT NULL,
+    event_type          TEXT        NOT NULL,
+    payload             JSONB       NOT NULL,
+    publish_status      TEXT        NOT NULL DEFAULT 'pending',
+    retry_count         INTEGER     NOT NULL DEFAULT 0,
+    next_retry_at       TIMESTAMPTZ,
+    created_at          TIMESTAMPTZ NOT NULL DEFAULT now(),
+    published_at        TIMESTAMPTZ,
+    CONSTRAINT uq_outbox_aggregate_version
+        UNIQUE (aggregate_type, aggregate_id, aggregate_version, event_type),
+    CONSTRAINT ck_outbox_status CHECK (publish_status IN ('pending', 'published', 'dead'))
+);
+
+CREATE INDEX idx_outbox_pending ON outbox_events (id) WHERE publish_status = 'pending';
+
+-- Observations that changed nothing (ignored) or contradicted a terminal (conflict).
+CREATE TABLE observation_audit (
+    id                  BIGINT      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    task_id             UUID,
+    attempt_id          UUID,
+    project_id          UUID,
+    outcome             TEXT        NOT NULL,
+    reason              TEXT        NOT NULL,
+    source              TEXT        NOT NULL,
+    provider            TEXT,
+    observed            TEXT        NOT NULL,
+    provider_sequence   BIGINT,
+    progress            SMALLINT,
+    task_version        BIGINT,
+    inbox_id            BIGINT,
+    dedup_key           TEXT,
+    trace_id            TEXT,
+    received_at         TIMESTAMPTZ NOT NULL,
+    created_at          TIMESTAMPTZ NOT NULL DEFAULT now(),
+    CONSTRAINT ck_audit_outcome CHECK (outcome IN ('ignored', 'conflict'))
+);
+
+CREATE INDEX idx_observation_audit_task ON observation_audit (task_id, id);
+
+CREATE TABLE reconciliation_items (
+    id            BIGINT      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    kind          TEXT        NOT NULL,
+    task_id       UUID        NOT NULL REFERENCES generation_tasks (id),
+    attempt_id    UUID        NOT NULL REFERENCES task_attempts (id),
+    project_id    UUID        NOT NULL,
+    state         TEXT        NOT NULL DEFAULT 'open',
+    detail        JSONB       NOT NULL DEFAULT '{}'::jsonb,
+    resolution    TEXT,
+    resolved_by   TEXT,
+    created_at    TIMESTAMPTZ NOT NULL DEFAULT now(),
+    resolved_at   TIMESTAMPTZ,
+    CONSTRAINT ck_reconciliation_state CHECK (state IN ('open', 'resolved'))
+);
+
+-- One open item per (kind, attempt): a duplicated contradiction does not open a second one.
+CREATE UNIQUE INDEX uq_reconciliation_open ON reconciliation_items (kind, attempt_id)
+    WHERE state = 'open';
+
+CREATE TABLE idempotency_keys (
+    project_id    UUID        NOT NULL REFERENCES projects (id),
+    key           TEXT        NOT NULL,
+    request_hash  BYTEA       NOT NULL,
+    task_id       UUID        NOT NULL REFERENCES generation_tasks (id),
+    created_at    TIMESTAMPTZ NOT NULL DEFAULT now(),
+    expires_at    TIMESTAMPTZ NOT NULL,
+    CONSTRAINT pk_idempotency_keys PRIMARY KEY (project_id, key)
+);

@@ -1,0 +1,1 @@
+"""Embedded servers for machines without PostgreSQL, NATS or Redis."""

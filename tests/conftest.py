@@ -1,0 +1,127 @@
+"""Shared fixtures: real PostgreSQL, Redis and NATS.
+
+URLs come from ``AIVEDIO_DATABASE_URL`` / ``AIVEDIO_REDIS_URL`` / ``AIVEDIO_NATS_URL``; where one is
+missing the embedded servers are started (``aivedio services up``) in ``.aivedio/test-services``.
+PostgreSQL: the migrations run once per session into a template database; every test that asks
+for ``database_url`` gets a fresh database cloned from it (procrastinate's habit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+from aivedio.config import DatabaseConfig, ServicesConfig
+from aivedio.db.migrate import migrate
+from aivedio.db.pool import Database
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def with_database(url: str, name: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc, "/" + name, parts.query, parts.fragment))
+
+
+@pytest.fixture(scope="session")
+def service_urls() -> dict[str, str]:
+    urls = {
+        "database_url": os.environ.get("AIVEDIO_DATABASE_URL"),
+        "redis_url": os.environ.get("AIVEDIO_REDIS_URL"),
+        "nats_url": os.environ.get("AIVEDIO_NATS_URL"),
+    }
+    if all(urls.values()):
+        return {k: v for k, v in urls.items() if v}
+    from aivedio.services import embedded
+
+    started = embedded.up(
+        ServicesConfig(
+            data_dir=ROOT / ".aivedio" / "test-services",
+            database_url=urls["database_url"],
+            redis_url=urls["redis_url"],
+            nats_url=urls["nats_url"],
+        )
+    ).as_dict()
+    return {k: str(v) for k, v in started.items()}
+
+
+@pytest.fixture(scope="session")
+def admin_database_url(service_urls: dict[str, str]) -> str:
+    return service_urls["database_url"]
+
+
+@pytest.fixture(scope="session")
+def template_database(admin_database_url: str) -> Iterator[str]:
+    name = f"aivedio_tpl_{os.getpid()}"
+
+    async def create() -> None:
+        conn = await asyncpg.connect(admin_database_url)
+        try:
+            await conn.execute(f'DROP DATABASE IF EXISTS "{name}"')
+            await conn.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await conn.close()
+        conn = await asyncpg.connect(with_database(admin_database_url, name))
+        try:
+            await migrate(conn)
+        finally:
+            await conn.close()
+
+    async def drop() -> None:
+        conn = await asyncpg.connect(admin_database_url)
+        try:
+            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await conn.close()
+
+    asyncio.run(create())
+    yield name
+    asyncio.run(drop())
+
+
+@pytest.fixture
+async def database_url(admin_database_url: str, template_database: str) -> AsyncIterator[str]:
+    """A fresh, migrated database for this test."""
+    name = f"aivedio_t_{uuid.uuid4().hex[:12]}"
+    conn = await asyncpg.connect(admin_database_url)
+    try:
+        await conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
+    finally:
+        await conn.close()
+    yield with_database(admin_database_url, name)
+    conn = await asyncpg.connect(admin_database_url)
+    try:
+        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+def database_config(database_url: str) -> DatabaseConfig:
+    return DatabaseConfig(url=database_url, min_size=1, max_size=20)
+
+
+@pytest.fixture
+async def db(database_config: DatabaseConfig) -> AsyncIterator[Database]:
+    database = await Database.connect(database_config)
+    try:
+        yield database
+    finally:
+        await database.close()
+
+
+@pytest.fixture(scope="session")
+def redis_url(service_urls: dict[str, str]) -> str:
+    return service_urls["redis_url"]
+
+
+@pytest.fixture(scope="session")
+def nats_url(service_urls: dict[str, str]) -> str:
+    return service_urls["nats_url"]
