@@ -39,6 +39,8 @@ class ApiConfig:
     idempotency_ttl: timedelta = timedelta(hours=24)
     retry_after_s: int = 2  # the Retry-After of a 503 when the database is unavailable
     page_size_max: int = 200
+    body_limit_bytes: int = 64 * 1024
+    providers: frozenset[str] = frozenset({"sandbox"})
 
 
 @dataclass(frozen=True, slots=True)

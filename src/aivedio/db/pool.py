@@ -6,7 +6,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 import asyncpg
 
@@ -68,7 +68,7 @@ class Database:
         """A pooled connection; unavailability becomes ``DatabaseUnavailable``."""
         try:
             async with self.pool.acquire(timeout=self.config.acquire_timeout_s) as conn:
-                yield conn
+                yield cast(asyncpg.Connection, conn)
         except UNAVAILABLE_ERRORS as exc:
             raise DatabaseUnavailable(f"PostgreSQL unavailable: {type(exc).__name__}") from exc
 
@@ -76,9 +76,12 @@ class Database:
     async def transaction(
         self, isolation: str = "read_committed", readonly: bool = False
     ) -> AsyncIterator[asyncpg.Connection]:
-        async with self.connection() as conn, conn.transaction(
-            isolation=isolation,  # type: ignore[arg-type]
-            readonly=readonly,
+        async with (
+            self.connection() as conn,
+            conn.transaction(
+                isolation=isolation,  # type: ignore[arg-type]
+                readonly=readonly,
+            ),
         ):
             yield conn
 

@@ -209,7 +209,7 @@ CREATE TABLE idempotency_keys (
     project_id    UUID        NOT NULL REFERENCES projects (id),
     key           TEXT        NOT NULL,
     request_hash  BYTEA       NOT NULL,
-    task_id       UUID        NOT NULL REFERENCES generation_tasks (id),
+    task_id       UUID        NOT NULL REFERENCES generation_tasks (id) DEFERRABLE INITIALLY DEFERRED,
     created_at    TIMESTAMPTZ NOT NULL DEFAULT now(),
     expires_at    TIMESTAMPTZ NOT NULL,
     CONSTRAINT pk_idempotency_keys PRIMARY KEY (project_id, key)

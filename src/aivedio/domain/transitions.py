@@ -185,6 +185,11 @@ _HAS_PROGRESS: frozenset[Status] = frozenset(
 )
 
 
+# While a cancel is pending, a provider that still reports progress changes nothing public.
+_CANCEL_PENDING_TARGETS: frozenset[Status] = frozenset({Status.PROVIDER_QUEUED, Status.RUNNING})
+_SUBMIT_PENDING: frozenset[Status] = frozenset({Status.CREATED, Status.SUBMIT_UNKNOWN})
+
+
 def _ignored(reason: Reason, attempt: AttemptChange | None = None) -> Decision:
     return Decision(Outcome.IGNORED, reason, attempt=attempt)
 
@@ -258,10 +263,9 @@ def _decide_provider(
         ),
         last_provider_at=obs.provider_occurred_at or attempt.last_provider_at,
     )
-    if task.status is Status.CANCEL_REQUESTED and not STATUS_TABLE[target].terminal:
-        if target is not Status.PROVIDER_SUCCEEDED:
-            # Still working at the provider: the user already sees "canceling".
-            return _ignored(Reason.CANCEL_PENDING, recorded)
+    if task.status is Status.CANCEL_REQUESTED and target in _CANCEL_PENDING_TARGETS:
+        # Still working at the provider: the user already sees "canceling".
+        return _ignored(Reason.CANCEL_PENDING, recorded)
     if target is task.status:
         return _progress_only(task, obs.progress, now, policy, recorded)
     if target not in SUCCESSORS[task.status]:
@@ -296,10 +300,9 @@ def _decide_platform(
                 reconcile=ReconcileKind.CONTRADICTORY_TERMINAL,
             )
         return _ignored(Reason.NO_CHANGE if target is task.status else Reason.AFTER_TERMINAL)
-    if obs.kind is PlatformKind.SUBMIT_ACCEPTED and task.status is not Status.CREATED:
-        if task.status is not Status.SUBMIT_UNKNOWN:
-            # A callback or poll already moved the task on; the accept adds nothing.
-            return _ignored(Reason.NO_CHANGE)
+    if obs.kind is PlatformKind.SUBMIT_ACCEPTED and task.status not in _SUBMIT_PENDING:
+        # A callback or poll already moved the task on; the accept adds nothing.
+        return _ignored(Reason.NO_CHANGE)
     if obs.kind is PlatformKind.MEDIA_STAGE and task.status is Status.PROCESSING_MEDIA:
         assert obs.stage is not None  # checked by PlatformObservation
         if obs.stage == task.stage:
@@ -369,3 +372,14 @@ def _progress_only(
         asset_id=task.asset_id,
     )
     return Decision(Outcome.APPLIED, change=change, attempt=recorded)
+
+
+# A new attempt starts the task over: the fields a retry resets, in one place.
+RETRY_CHANGE = TaskChange(
+    status=Status.CREATED,
+    stage=STATUS_TABLE[Status.CREATED].stage,
+    progress=None,
+    error_code=None,
+    error_message=None,
+    asset_id=None,
+)

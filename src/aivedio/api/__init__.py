@@ -1,0 +1,1 @@
+"""The HTTP API (public contract in DESIGN.md)."""

@@ -1,0 +1,99 @@
+"""The Starlette application: routes, error mapping, health and metrics."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from aivedio.api.http import ApiError, TraceMiddleware, error_response
+from aivedio.api.tasks import TaskRoutes
+from aivedio.config import ApiConfig
+from aivedio.db.pool import Database
+from aivedio.errors import (
+    Conflict,
+    DatabaseUnavailable,
+    IdempotencyMismatch,
+    NotFound,
+)
+from aivedio.logs import log
+from aivedio.state.tasks import TaskStore
+
+logger = logging.getLogger("aivedio.api")
+
+
+def create_app(
+    db: Database,
+    tasks: TaskStore,
+    config: ApiConfig,
+    extra_routes: Sequence[BaseRoute] = (),
+) -> Starlette:
+    """The API app. ``extra_routes`` lets other roles (callbacks, gateway) share the port."""
+
+    async def healthz(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def readyz(request: Request) -> Response:
+        async with db.connection() as conn:
+            await conn.fetchval("SELECT 1")
+        return JSONResponse({"status": "ready"})
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    async def on_api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        return error_response(exc)
+
+    async def on_unavailable(request: Request, exc: Exception) -> Response:
+        log(logger, logging.WARNING, "database unavailable", error=str(exc))
+        return error_response(
+            ApiError(
+                503,
+                "unavailable",
+                "the service is temporarily unavailable; retry later",
+                headers={"Retry-After": str(config.retry_after_s)},
+            )
+        )
+
+    async def on_not_found(request: Request, exc: Exception) -> Response:
+        return error_response(ApiError(404, "not_found", f"{exc} not found"))
+
+    async def on_conflict(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, Conflict)
+        return error_response(ApiError(409, exc.code, exc.message))
+
+    async def on_idempotency(request: Request, exc: Exception) -> Response:
+        return error_response(
+            ApiError(
+                422,
+                "idempotency_key_reused",
+                "this Idempotency-Key was used with a different request body",
+                fields=[{"field": "Idempotency-Key", "message": "reused with another body"}],
+            )
+        )
+
+    routes: list[BaseRoute] = [
+        Route("/healthz", healthz),
+        Route("/readyz", readyz),
+        Route("/metrics", metrics),
+        *TaskRoutes(db, tasks, config).routes(),
+        *extra_routes,
+    ]
+    return Starlette(
+        routes=routes,
+        middleware=[Middleware(TraceMiddleware)],
+        exception_handlers={
+            ApiError: on_api_error,
+            DatabaseUnavailable: on_unavailable,
+            NotFound: on_not_found,
+            Conflict: on_conflict,
+            IdempotencyMismatch: on_idempotency,
+        },
+    )

@@ -1,0 +1,141 @@
+"""Task routes: create (Idempotency-Key), snapshot, list, cancel, retry, audit."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from aivedio.api.auth import authenticate
+from aivedio.api.http import ApiError, read_json
+from aivedio.config import ApiConfig
+from aivedio.db.pool import Database
+from aivedio.logs import trace_id_var
+from aivedio.state.tasks import NewTask, TaskStore
+
+PARAMS_MAX_BYTES = 16 * 1024
+
+
+class CreateTaskBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    provider: Annotated[str, Field(min_length=1, max_length=64)]
+    model: Annotated[str, Field(min_length=1, max_length=200)]
+    prompt: Annotated[str, Field(min_length=1, max_length=8000)]
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class TaskRoutes:
+    db: Database
+    tasks: TaskStore
+    config: ApiConfig
+
+    def routes(self) -> list[Route]:
+        base = "/v1/projects/{project_id}/tasks"
+        return [
+            Route(base, self.create, methods=["POST"]),
+            Route(base, self.list, methods=["GET"]),
+            Route(base + "/{task_id}", self.get, methods=["GET"]),
+            Route(base + "/{task_id}/cancel", self.cancel, methods=["POST"]),
+            Route(base + "/{task_id}/retry", self.retry, methods=["POST"]),
+            Route(base + "/{task_id}/audit", self.audit, methods=["GET"]),
+        ]
+
+    async def create(self, request: Request) -> JSONResponse:
+        principal = await authenticate(self.db, request)
+        project_id = _path_uuid(request, "project_id", "project")
+        key = request.headers.get("idempotency-key", "")
+        fields = []
+        if not 1 <= len(key) <= 255 or not key.isprintable():
+            fields.append(
+                {"field": "Idempotency-Key", "message": "header required, 1-255 printable chars"}
+            )
+        payload = await read_json(request, self.config.body_limit_bytes)
+        body = None
+        try:
+            body = CreateTaskBody.model_validate(payload)
+        except ValidationError as exc:
+            fields.extend(
+                {"field": ".".join(str(p) for p in err["loc"]) or "body", "message": err["msg"]}
+                for err in exc.errors(include_url=False, include_input=False)
+            )
+        if body is not None:
+            if body.provider not in self.config.providers:
+                known = ", ".join(sorted(self.config.providers))
+                fields.append({"field": "provider", "message": f"unknown provider; known: {known}"})
+            if len(json.dumps(body.params)) > PARAMS_MAX_BYTES:
+                fields.append({"field": "params", "message": f"at most {PARAMS_MAX_BYTES} bytes"})
+        if fields or body is None:
+            raise ApiError(422, "validation_failed", "the request is invalid", fields=fields)
+        created = await self.tasks.create(
+            principal,
+            project_id,
+            key,
+            NewTask(body.provider, body.model, body.prompt, body.params),
+            trace_id_var.get(),
+        )
+        headers = {"Idempotent-Replayed": "true"} if created.replayed else {}
+        return JSONResponse({"task": created.snapshot}, status_code=202, headers=headers)
+
+    async def get(self, request: Request) -> JSONResponse:
+        principal = await authenticate(self.db, request)
+        project_id = _path_uuid(request, "project_id", "project")
+        task_id = _path_uuid(request, "task_id", "task")
+        return JSONResponse({"task": await self.tasks.snapshot(principal, project_id, task_id)})
+
+    async def list(self, request: Request) -> JSONResponse:
+        principal = await authenticate(self.db, request)
+        project_id = _path_uuid(request, "project_id", "project")
+        raw_limit = request.query_params.get("limit", "50")
+        if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= self.config.page_size_max:
+            raise ApiError(
+                422,
+                "validation_failed",
+                "the request is invalid",
+                fields=[{"field": "limit", "message": f"1..{self.config.page_size_max}"}],
+            )
+        page = request.query_params.get("page")
+        try:
+            result = await self.tasks.list(principal, project_id, int(raw_limit), page)
+        except ValueError as exc:
+            raise ApiError(
+                422,
+                "validation_failed",
+                "the request is invalid",
+                fields=[{"field": "page", "message": "not a page token from this API"}],
+            ) from exc
+        return JSONResponse(result)
+
+    async def cancel(self, request: Request) -> JSONResponse:
+        principal = await authenticate(self.db, request)
+        project_id = _path_uuid(request, "project_id", "project")
+        task_id = _path_uuid(request, "task_id", "task")
+        snapshot = await self.tasks.cancel(principal, project_id, task_id, trace_id_var.get())
+        return JSONResponse({"task": snapshot}, status_code=202)
+
+    async def retry(self, request: Request) -> JSONResponse:
+        principal = await authenticate(self.db, request)
+        project_id = _path_uuid(request, "project_id", "project")
+        task_id = _path_uuid(request, "task_id", "task")
+        snapshot = await self.tasks.retry(principal, project_id, task_id, trace_id_var.get())
+        return JSONResponse({"task": snapshot}, status_code=202)
+
+    async def audit(self, request: Request) -> JSONResponse:
+        principal = await authenticate(self.db, request)
+        project_id = _path_uuid(request, "project_id", "project")
+        task_id = _path_uuid(request, "task_id", "task")
+        return JSONResponse(await self.tasks.audit(principal, project_id, task_id))
+
+
+def _path_uuid(request: Request, name: str, what: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(request.path_params[name])
+    except ValueError as exc:
+        raise ApiError(404, "not_found", f"{what} not found") from exc

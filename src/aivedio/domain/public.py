@@ -1,0 +1,54 @@
+"""What a browser may see: the whitelist of public event fields and the stable error codes.
+
+Provider raw errors, URLs with credentials, costs and internal routing never pass through here.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from aivedio.domain.statuses import STATUS_TABLE, Status
+
+# Stable product error codes and their public messages. An adapter maps a provider's error to one
+# of these; anything else is shown as ``generation_failed``.
+PUBLIC_ERRORS: dict[str, str] = {
+    "generation_failed": "The video could not be generated.",
+    "content_rejected": "The request was rejected by the content policy.",
+    "invalid_request": "The provider rejected the request parameters.",
+    "provider_unavailable": "The video provider is unavailable.",
+    "submit_rejected": "The video provider did not accept the request.",
+    "media_failed": "The generated video could not be processed.",
+    "output_expired": "The generated video expired before it could be stored.",
+    "timeout": "The video took too long to generate.",
+}
+
+
+def public_error(code: str | None) -> dict[str, str] | None:
+    if code is None:
+        return None
+    if code not in PUBLIC_ERRORS:
+        code = "generation_failed"
+    return {"code": code, "message": PUBLIC_ERRORS[code]}
+
+
+def public_event(
+    *,
+    task_id: uuid.UUID,
+    task_version: int,
+    status: Status,
+    stage: str,
+    progress: int | None,
+    asset_id: uuid.UUID | None,
+    error_code: str | None,
+) -> dict[str, Any]:
+    """The public payload of one task event (the stream seq is added where it is allotted)."""
+    return {
+        "task_id": str(task_id),
+        "task_version": task_version,
+        "status": STATUS_TABLE[status].public,
+        "stage": stage,
+        "progress": progress,
+        "asset_id": str(asset_id) if asset_id is not None else None,
+        "error": public_error(error_code),
+    }

@@ -1,0 +1,1 @@
+"""The state service: the only writer of task state."""
