@@ -1,0 +1,664 @@
+"""The bus port on NATS JetStream (nats-py 2.x, nats-server 2.9 or newer).
+
+Mapping (details and reasons in ``docs/reference/bus.md``):
+
+* one stream ``cfg.stream`` over ``<prefix>.>``; a topic ``task.status`` is the subject
+  ``<prefix>.task.status``; the key travels in the ``Aivedio-Key`` header, the dedup id in
+  ``Nats-Msg-Id`` (the stream's ``duplicate_window`` is ``cfg.duplicate_window_s``);
+* one durable pull consumer per (group, topic), named ``<group>_<topic with . as _>``, explicit
+  ack, ``ack_wait``, ``max_ack_pending``, filtered on ``<prefix>.<topic>``;
+* a second stream ``<stream>_DLQ`` over ``<prefix>_dlq.>`` holds dead letters on
+  ``<prefix>_dlq.<group>.<topic>``; a replay is republished on the topic with an
+  ``Aivedio-Only-Group`` header, and the other groups' consumers ack it without delivering it
+  (nats-server 2.9 has no multi-filter consumers, so a per-group subject cannot be used).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Literal
+
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.client import JetStreamContext
+
+from aivedio.bus.port import (
+    Bus,
+    BusClosed,
+    BusConfig,
+    BusError,
+    BusUnavailable,
+    Consumer,
+    DeadLetter,
+    Delivery,
+    OutgoingMessage,
+    PublishAck,
+    validate_group,
+    validate_message,
+    validate_topic,
+)
+
+__all__ = ["JetStreamBus"]
+
+log = logging.getLogger(__name__)
+
+H_MSG_ID = "Nats-Msg-Id"
+H_KEY = "Aivedio-Key"
+H_DEDUP = "Aivedio-Dedup-Id"  # the original dedup id on a replayed or dead-lettered copy
+H_GROUP = "Aivedio-Group"
+H_TOPIC = "Aivedio-Topic"
+H_DELIVERIES = "Aivedio-Deliveries"
+H_REASON = "Aivedio-Reason"
+H_DEAD_AT = "Aivedio-Dead-At"
+H_ORIGIN_SEQ = "Aivedio-Origin-Seq"
+H_ONLY_GROUP = "Aivedio-Only-Group"  # a replayed dead letter is for this group only
+
+# JetStream API error codes we act on.
+ERR_STREAM_NAME_IN_USE = 10058  # "stream name already in use with a different configuration"
+ERR_NO_MESSAGE_FOUND = 10037
+
+
+def _user_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
+    if not headers:
+        return {}
+    return {k: v for k, v in headers.items() if not k.lower().startswith(("nats-", "aivedio-"))}
+
+
+class _Edge:
+    """Translates nats-py errors into the port's errors (the adapter edge)."""
+
+    def __init__(self, closed: Callable[[], bool]) -> None:
+        self._closed = closed
+
+    @contextmanager
+    def __call__(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except BusError:
+            raise
+        except nats.errors.ConnectionClosedError as exc:
+            if self._closed():
+                raise BusClosed(f"{what}: the bus is closed") from exc
+            raise BusUnavailable(f"{what}: NATS connection closed") from exc
+        except (
+            TimeoutError,  # nats.errors.TimeoutError and asyncio's are subclasses
+            nats.errors.NoRespondersError,
+            nats.errors.NoServersError,
+            nats.errors.ConnectionReconnectingError,
+            nats.errors.OutboundBufferLimitError,
+            nats.errors.StaleConnectionError,
+            nats.errors.UnexpectedEOF,
+            nats.js.errors.NoStreamResponseError,
+            nats.js.errors.ServiceUnavailableError,
+            OSError,
+        ) as exc:
+            raise BusUnavailable(f"{what}: NATS unavailable ({type(exc).__name__})") from exc
+        except nats.errors.Error as exc:
+            raise BusError(f"{what}: {exc}") from exc
+
+
+class _AckPipeline:
+    """Pipelined JetStream publishing on core NATS: publish with a reply subject under one
+    wildcard inbox, resolve a future per message when the PubAck arrives.
+
+    This is what ``JetStreamContext.publish_async`` does, done here because (a) nats-py 2.16's
+    ``_handle_async_reply`` calls ``APIError.from_error`` which *raises*, so a rejected publish
+    leaves the future pending forever (nats-py issue #985), and (b) its futures have no timeout,
+    so a PubAck lost in a reconnect never resolves. Every future here settles within
+    ``timeout_s``: with the PubAck, the broker's error, or ``BusUnavailable``.
+    """
+
+    def __init__(self, nc: NatsClient, timeout_s: float) -> None:
+        self._nc = nc
+        self._timeout_s = timeout_s
+        self._prefix = ""
+        self._tokens = itertools.count()
+        self._pending: dict[str, asyncio.Future[PublishAck]] = {}
+
+    async def start(self) -> None:
+        self._prefix = self._nc.new_inbox()
+        await self._nc.subscribe(self._prefix + ".*", cb=self._on_reply)
+
+    async def send(
+        self, subject: str, payload: bytes, headers: dict[str, str]
+    ) -> asyncio.Future[PublishAck]:
+        loop = asyncio.get_running_loop()
+        token = str(next(self._tokens))
+        future: asyncio.Future[PublishAck] = loop.create_future()
+        self._pending[token] = future
+        timer = loop.call_later(self._timeout_s, self._expire, token)
+
+        def done(_: asyncio.Future[PublishAck]) -> None:
+            timer.cancel()
+            self._pending.pop(token, None)
+
+        future.add_done_callback(done)
+        try:
+            await self._nc.publish(
+                subject, payload, reply=f"{self._prefix}.{token}", headers=headers
+            )
+        except BaseException:
+            future.cancel()
+            raise
+        return future
+
+    def _expire(self, token: str) -> None:
+        future = self._pending.pop(token, None)
+        if future is not None and not future.done():
+            state = "connected" if self._nc.is_connected else "not connected"
+            future.set_exception(
+                BusUnavailable(f"no JetStream ack within {self._timeout_s}s (NATS {state})")
+            )
+
+    def fail_all(self, exc: BusError) -> None:
+        for future in list(self._pending.values()):
+            if not future.done():
+                future.set_exception(exc)
+        self._pending.clear()
+
+    async def _on_reply(self, msg: Msg) -> None:
+        future = self._pending.pop(msg.subject[len(self._prefix) + 1 :], None)
+        if future is None or future.done():
+            return
+        if msg.headers and msg.headers.get("Status") == "503":
+            # No responders: no stream listens on the subject (JetStream restarting / stream
+            # deleted). Transient from the caller's point of view.
+            future.set_exception(BusUnavailable("no JetStream stream answered the publish"))
+            return
+        try:
+            resp = json.loads(msg.data)
+            if "error" in resp:
+                err = resp["error"]
+                kind = BusUnavailable if err.get("code") == 503 else BusError
+                future.set_exception(kind(f"JetStream rejected the publish: {err}"))
+                return
+            future.set_result(
+                PublishAck(
+                    stream=str(resp["stream"]),
+                    sequence=int(resp["seq"]),
+                    duplicate=bool(resp.get("duplicate", False)),
+                )
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            future.set_exception(BusError(f"unreadable JetStream PubAck: {exc}"))
+
+
+class JetStreamBus:
+    """``Bus`` on NATS JetStream. Create with ``await JetStreamBus.connect(cfg)``."""
+
+    def __init__(self, cfg: BusConfig, nc: NatsClient) -> None:
+        self._cfg = cfg
+        self._nc = nc
+        self._js: JetStreamContext = nc.jetstream(timeout=cfg.request_timeout_s)
+        self._pipeline = _AckPipeline(nc, cfg.publish_timeout_s)
+        self._closed = False
+        self._edge = _Edge(lambda: self._closed)
+        self._consumers: list[JetStreamConsumer] = []
+        self.dlq_stream = f"{cfg.stream}_DLQ"
+        self._prefix = cfg.subject_prefix
+        self._dlq_prefix = f"{cfg.subject_prefix}_dlq"
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @classmethod
+    async def connect(cls, cfg: BusConfig) -> JetStreamBus:
+        """Connect, then create (or adopt) the streams. Safe to run in many processes at once.
+
+        The client reconnects forever after the first connection (``max_reconnect_attempts=-1``);
+        callers never hang because every operation has its own deadline and reports
+        ``BusUnavailable`` meanwhile. The first connection is bounded by
+        ``connect_timeout_s`` per attempt and 3 attempts.
+        """
+        nc = NatsClient()
+
+        async def on_error(exc: Exception) -> None:
+            log.warning("nats error: %s: %s", type(exc).__name__, exc)
+
+        async def on_disconnected() -> None:
+            log.warning("nats disconnected from %s", cfg.url)
+
+        async def on_reconnected() -> None:
+            log.info("nats reconnected to %s", nc.connected_url)
+
+        # nats-py annotates the timeouts as int; it takes seconds as float at runtime.
+        options: dict[str, Any] = {
+            "servers": [cfg.url],
+            "connect_timeout": cfg.connect_timeout_s,
+            "allow_reconnect": True,
+            "max_reconnect_attempts": -1,
+            "reconnect_time_wait": cfg.reconnect_wait_s,
+            "ping_interval": 10,
+            "max_outstanding_pings": 3,
+            "error_cb": on_error,
+            "disconnected_cb": on_disconnected,
+            "reconnected_cb": on_reconnected,
+        }
+        try:
+            # With max_reconnect_attempts=-1 nats-py retries the *first* connect forever too,
+            # so bound it here.
+            await asyncio.wait_for(
+                nc.connect(**options),
+                timeout=3 * cfg.connect_timeout_s + 2 * cfg.reconnect_wait_s,
+            )
+        except (TimeoutError, OSError, nats.errors.Error) as exc:
+            await _close_quietly(nc)
+            raise BusUnavailable(f"cannot connect to NATS at {cfg.url}: {exc!r}") from exc
+        bus = cls(cfg, nc)
+        try:
+            await bus._pipeline.start()
+            await bus.ensure_streams()
+        except BaseException:
+            await bus.close()
+            raise
+        return bus
+
+    async def ensure_streams(self) -> None:
+        """Create the stream and the dead-letter stream, or update them to this config."""
+        cfg = self._cfg
+        storage = api.StorageType.FILE if cfg.storage == "file" else api.StorageType.MEMORY
+        main = api.StreamConfig(
+            name=cfg.stream,
+            subjects=[f"{self._prefix}.>"],
+            retention=api.RetentionPolicy.LIMITS,
+            storage=storage,
+            num_replicas=cfg.replicas,
+            max_age=cfg.retention_s,
+            duplicate_window=cfg.duplicate_window_s,
+            discard=api.DiscardPolicy.OLD,
+        )
+        dlq = api.StreamConfig(
+            name=self.dlq_stream,
+            subjects=[f"{self._dlq_prefix}.>"],
+            retention=api.RetentionPolicy.LIMITS,
+            storage=storage,
+            num_replicas=cfg.replicas,
+            max_age=cfg.dead_letter_retention_s,
+            duplicate_window=cfg.duplicate_window_s,
+            discard=api.DiscardPolicy.OLD,
+        )
+        for config in (main, dlq):
+            with self._edge(f"create stream {config.name}"):
+                try:
+                    # Identical config: the server answers OK, so concurrent starts are fine.
+                    await self._js.add_stream(config)
+                except nats.js.errors.BadRequestError as exc:
+                    if exc.err_code != ERR_STREAM_NAME_IN_USE:
+                        raise
+                    await self._js.update_stream(config)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pipeline.fail_all(BusClosed("the bus was closed before the publish was acked"))
+        for consumer in self._consumers:
+            consumer._closed = True
+        await _close_quietly(self._nc)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BusClosed("the bus is closed")
+
+    # -- publishing ------------------------------------------------------------------------
+
+    def _encode(
+        self, topic: str, key: str, dedup_id: str, headers: Mapping[str, str] | None
+    ) -> tuple[str, dict[str, str]]:
+        validate_topic(topic)
+        validate_message(key, dedup_id, headers)
+        hdrs = dict(headers or {})
+        hdrs[H_KEY] = key
+        hdrs[H_MSG_ID] = dedup_id
+        return f"{self._prefix}.{topic}", hdrs
+
+    async def _send(
+        self, subject: str, payload: bytes, headers: dict[str, str]
+    ) -> asyncio.Future[PublishAck]:
+        self._check_open()
+        if self._nc.is_closed:
+            raise BusUnavailable("NATS connection is closed")
+        with self._edge("publish"):
+            return await self._pipeline.send(subject, payload, headers)
+
+    async def publish(
+        self,
+        topic: str,
+        key: str,
+        dedup_id: str,
+        payload: bytes,
+        headers: Mapping[str, str] | None = None,
+    ) -> PublishAck:
+        self._check_open()
+        subject, hdrs = self._encode(topic, key, dedup_id, headers)
+        return await (await self._send(subject, payload, hdrs))
+
+    async def publish_many(
+        self, messages: Sequence[OutgoingMessage]
+    ) -> list[PublishAck | BusError | ValueError]:
+        self._check_open()
+        results: list[PublishAck | BusError | ValueError | None] = [None] * len(messages)
+        slots = asyncio.Semaphore(self._cfg.max_in_flight)
+        futures: list[tuple[int, asyncio.Future[PublishAck]]] = []
+        for i, m in enumerate(messages):
+            try:
+                subject, hdrs = self._encode(m.topic, m.key, m.dedup_id, m.headers)
+            except ValueError as exc:
+                results[i] = exc
+                continue
+            await slots.acquire()  # every future settles within publish_timeout_s
+            try:
+                future = await self._send(subject, m.payload, hdrs)
+            except BusError as exc:
+                slots.release()
+                results[i] = exc
+                continue
+            future.add_done_callback(lambda _: slots.release())
+            futures.append((i, future))
+        if futures:
+            await asyncio.wait([f for _, f in futures])
+        for i, future in futures:
+            error = future.exception() if not future.cancelled() else BusClosed("cancelled")
+            if error is None:
+                results[i] = future.result()
+            elif isinstance(error, BusError):
+                results[i] = error
+            else:
+                results[i] = BusError(f"publish failed: {error!r}")
+        return [r if r is not None else BusError("not published") for r in results]
+
+    # -- consuming -------------------------------------------------------------------------
+
+    def consumer_name(self, topic: str, group: str) -> str:
+        # Groups have no "_" and topics no "_", so the first "_" splits the name unambiguously.
+        return f"{group}_{topic.replace('.', '_')}"
+
+    async def subscribe(
+        self, topic: str, group: str, *, start: Literal["all", "new"] = "all"
+    ) -> JetStreamConsumer:
+        self._check_open()
+        validate_topic(topic)
+        validate_group(group)
+        name = self.consumer_name(topic, group)
+        config = api.ConsumerConfig(
+            name=name,
+            durable_name=name,
+            deliver_policy=api.DeliverPolicy.ALL if start == "all" else api.DeliverPolicy.NEW,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=self._cfg.ack_wait_s,
+            # Unlimited at the server: this adapter dead-letters on fetch (see _dead_letter_due).
+            max_deliver=-1,
+            filter_subject=f"{self._prefix}.{topic}",
+            max_ack_pending=self._cfg.max_ack_pending,
+            replay_policy=api.ReplayPolicy.INSTANT,
+        )
+        with self._edge(f"create consumer {name}"):
+            try:
+                # Create-or-update; an identical config is a no-op, so concurrent joins are fine.
+                await self._js.add_consumer(self._cfg.stream, config)
+            except nats.js.errors.BadRequestError:
+                # Exists with another deliver policy (not updatable): ``start`` only applies at
+                # creation, so adopt the existing one's and update the rest.
+                info = await self._js.consumer_info(self._cfg.stream, name)
+                config.deliver_policy = info.config.deliver_policy
+                config.opt_start_seq = info.config.opt_start_seq
+                config.opt_start_time = info.config.opt_start_time
+                await self._js.add_consumer(self._cfg.stream, config)
+            sub = await self._js.pull_subscribe_bind(durable=name, stream=self._cfg.stream)
+        consumer = JetStreamConsumer(self, topic, group, name, sub)
+        self._consumers.append(consumer)
+        return consumer
+
+    # -- dead letters ----------------------------------------------------------------------
+
+    async def _dead_letter(self, msg: Msg, group: str, topic: str, reason: str) -> None:
+        """Store a copy in the DLQ stream (deduplicated per consumer and stream sequence, so a
+        crash before the ``term`` below only causes a duplicate the window absorbs), then
+        terminate the original so the consumer never delivers it again."""
+        md = msg.metadata
+        headers = _user_headers(msg.headers)
+        original = msg.headers or {}
+        headers.update(
+            {
+                H_KEY: original.get(H_KEY, ""),
+                H_DEDUP: original.get(H_DEDUP) or original.get(H_MSG_ID, ""),
+                H_GROUP: group,
+                H_TOPIC: topic,
+                H_DELIVERIES: str(min(md.num_delivered, self._cfg.max_deliver)),
+                H_REASON: reason.replace("\r", " ").replace("\n", " ")[:500],
+                H_DEAD_AT: f"{time.time():.3f}",
+                H_ORIGIN_SEQ: str(md.sequence.stream),
+                H_MSG_ID: f"dlq:{group}:{topic}:{md.sequence.stream}",
+            }
+        )
+        subject = f"{self._dlq_prefix}.{group}.{topic}"
+        await (await self._send(subject, msg.data, headers))
+        with self._edge("terminate dead-lettered message"):
+            await msg.term()
+
+    async def dead_letters(self, group: str, limit: int = 100) -> list[DeadLetter]:
+        self._check_open()
+        validate_group(group)
+        out: list[DeadLetter] = []
+        seq = 1
+        with self._edge("list dead letters"):
+            while len(out) < limit:
+                try:
+                    raw = await self._js.get_msg(
+                        self.dlq_stream, seq=seq, subject=f"{self._dlq_prefix}.{group}.>", next=True
+                    )
+                except nats.js.errors.NotFoundError:
+                    break
+                out.append(self._to_dead_letter(raw))
+                seq = int(raw.seq or seq) + 1
+        return out
+
+    def _to_dead_letter(self, raw: api.RawStreamMsg) -> DeadLetter:
+        h: dict[str, str] = dict(raw.headers or {})
+        return DeadLetter(
+            id=str(raw.seq),
+            group=h.get(H_GROUP, ""),
+            topic=h.get(H_TOPIC, ""),
+            key=h.get(H_KEY, ""),
+            dedup_id=h.get(H_DEDUP, ""),
+            data=raw.data or b"",
+            headers=_user_headers(h),
+            deliveries=int(h.get(H_DELIVERIES, "0")),
+            reason=h.get(H_REASON, ""),
+            dead_at=float(h.get(H_DEAD_AT, "0")),
+        )
+
+    async def replay_dead_letter(self, group: str, dead_letter_id: str) -> PublishAck:
+        self._check_open()
+        validate_group(group)
+        try:
+            seq = int(dead_letter_id)
+        except ValueError:
+            raise BusError(f"no dead letter {dead_letter_id!r}") from None
+        with self._edge("read dead letter"):
+            try:
+                raw = await self._js.get_msg(self.dlq_stream, seq=seq)
+            except nats.js.errors.NotFoundError:
+                raise BusError(f"no dead letter {dead_letter_id!r} in group {group!r}") from None
+        letter = self._to_dead_letter(raw)
+        if letter.group != group:
+            raise BusError(f"no dead letter {dead_letter_id!r} in group {group!r}")
+        headers = dict(letter.headers)
+        headers[H_KEY] = letter.key
+        headers[H_DEDUP] = letter.dedup_id
+        # Deduplicated, so replaying the same dead letter twice (e.g. two operators) sends once.
+        headers[H_MSG_ID] = f"replay:{group}:{seq}"
+        headers[H_ONLY_GROUP] = group
+        ack = await (await self._send(f"{self._prefix}.{letter.topic}", letter.data, headers))
+        # NotFound: replayed concurrently by someone else.
+        with (
+            self._edge("delete replayed dead letter"),
+            contextlib.suppress(nats.js.errors.NotFoundError),
+        ):
+            await self._js.delete_msg(self.dlq_stream, seq)
+        return ack
+
+
+class JetStreamDelivery:
+    __slots__ = ("_consumer", "_deliveries", "_msg", "_topic")
+
+    def __init__(self, consumer: JetStreamConsumer, msg: Msg, topic: str, deliveries: int) -> None:
+        self._consumer = consumer
+        self._msg = msg
+        self._topic = topic
+        self._deliveries = deliveries
+
+    @property
+    def topic(self) -> str:
+        return self._topic
+
+    @property
+    def deliveries(self) -> int:
+        return self._deliveries
+
+    @property
+    def key(self) -> str:
+        return (self._msg.headers or {}).get(H_KEY, "")
+
+    @property
+    def dedup_id(self) -> str:
+        h = self._msg.headers or {}
+        return h.get(H_DEDUP) or h.get(H_MSG_ID, "")
+
+    @property
+    def data(self) -> bytes:
+        return self._msg.data
+
+    @property
+    def headers(self) -> Mapping[str, str]:
+        return _user_headers(self._msg.headers)
+
+    def _check(self) -> None:
+        if self._consumer._bus._closed:
+            raise BusClosed("the bus is closed")
+
+    async def ack(self) -> None:
+        self._check()
+        with self._consumer._bus._edge("ack"):
+            await self._msg.ack()
+
+    async def nak(self, delay_s: float = 0.0) -> None:
+        self._check()
+        with self._consumer._bus._edge("nak"):
+            await self._msg.nak(delay=delay_s if delay_s > 0 else None)
+
+    async def in_progress(self) -> None:
+        self._check()
+        with self._consumer._bus._edge("in_progress"):
+            await self._msg.in_progress()
+
+    async def term(self, reason: str = "terminated") -> None:
+        self._check()
+        await self._consumer._bus._dead_letter(self._msg, self._consumer.group, self.topic, reason)
+
+
+class JetStreamConsumer:
+    """A pull subscription bound to the group's durable consumer."""
+
+    def __init__(
+        self,
+        bus: JetStreamBus,
+        topic: str,
+        group: str,
+        name: str,
+        sub: JetStreamContext.PullSubscription,
+    ) -> None:
+        self._bus = bus
+        self._sub = sub
+        self._topic = topic
+        self._group = group
+        self.name = name
+        self._closed = False
+
+    @property
+    def topic(self) -> str:
+        return self._topic
+
+    @property
+    def group(self) -> str:
+        return self._group
+
+    async def fetch(self, batch: int = 100, timeout: float = 1.0) -> list[Delivery]:  # noqa: ASYNC109
+        if self._closed or self._bus._closed:
+            raise BusClosed("the consumer is closed")
+        nc = self._bus._nc
+        if not nc.is_connected:
+            raise BusUnavailable("NATS is not connected")
+        with self._bus._edge("fetch"):
+            try:
+                msgs = await self._sub.fetch(batch, timeout=max(timeout, 0.01))
+            except TimeoutError:  # includes nats' FetchTimeoutError / TimeoutError
+                if not nc.is_connected:
+                    raise BusUnavailable("NATS disconnected during fetch") from None
+                return []
+        out: list[Delivery] = []
+        for msg in msgs:
+            only = (msg.headers or {}).get(H_ONLY_GROUP)
+            if only is not None and only != self._group:
+                with self._bus._edge("ack another group's replay"):
+                    await msg.ack()
+                continue
+            n = msg.metadata.num_delivered
+            if n > self._bus._cfg.max_deliver:
+                await self._dead_letter_due(msg)
+                continue
+            out.append(JetStreamDelivery(self, msg, self._topic, n))
+        return out
+
+    async def _dead_letter_due(self, msg: Msg) -> None:
+        """Dead-letter a message delivered more than ``max_deliver`` times.
+
+        Why here and not from the ``$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES`` advisory: an
+        advisory is a core-NATS message, sent once, lost if no process listens at that moment
+        (or unless yet another stream captures it), and it leaves the copy to a separate
+        listener. Checking ``num_delivered`` on the delivery itself happens in the consumer
+        that holds the message, survives restarts (the server keeps redelivering until the
+        ``term``, since the server-side ``max_deliver`` is unlimited), and is idempotent (the DLQ
+        copy carries a ``Nats-Msg-Id``). The cost is one extra delivery that the application
+        never sees.
+        """
+        try:
+            await self._bus._dead_letter(msg, self._group, self._topic, "max_deliver")
+        except BusError as exc:
+            # Not terminated: it comes back after ack_wait and we try again.
+            log.warning("dead-lettering %s failed, will retry: %s", self.name, exc)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if not self._bus._closed:
+            try:
+                await self._sub.unsubscribe()
+            except nats.errors.Error as exc:  # best effort: the server drops it with the conn
+                log.debug("unsubscribe %s: %s", self.name, exc)
+
+
+async def _close_quietly(nc: NatsClient) -> None:
+    try:
+        await nc.close()
+    except Exception as exc:  # closing a half-open client must never mask the real error
+        log.debug("closing NATS client: %r", exc)
+
+
+if TYPE_CHECKING:  # static proof that the adapter implements the port
+
+    def _conforms(
+        b: JetStreamBus, c: JetStreamConsumer, d: JetStreamDelivery
+    ) -> tuple[Bus, Consumer, Delivery]:
+        return b, c, d

@@ -1,0 +1,1 @@
+"""Contract suites: one set of tests per port, subclassed once per adapter."""
