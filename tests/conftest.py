@@ -87,20 +87,20 @@ def template_database(admin_database_url: str) -> Iterator[str]:
 
 
 @pytest.fixture
-async def database_url(admin_database_url: str, template_database: str) -> AsyncIterator[str]:
-    """A fresh, migrated database for this test."""
+def database_url(admin_database_url: str, template_database: str) -> Iterator[str]:
+    """A fresh, migrated database for this test (sync, so property tests can use it too)."""
     name = f"aivedio_t_{uuid.uuid4().hex[:12]}"
-    conn = await asyncpg.connect(admin_database_url)
-    try:
-        await conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"')
-    finally:
-        await conn.close()
+
+    async def run(sql: str) -> None:
+        conn = await asyncpg.connect(admin_database_url)
+        try:
+            await conn.execute(sql)
+        finally:
+            await conn.close()
+
+    asyncio.run(run(f'CREATE DATABASE "{name}" TEMPLATE "{template_database}"'))
     yield with_database(admin_database_url, name)
-    conn = await asyncpg.connect(admin_database_url)
-    try:
-        await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-    finally:
-        await conn.close()
+    asyncio.run(run(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 @pytest.fixture

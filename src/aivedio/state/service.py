@@ -7,7 +7,6 @@ nothing changed (``record_unapplied``). All or nothing.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Callable
@@ -188,15 +187,13 @@ class StateService:
         change = decision.attempt
         detail = None
         if decision.reconcile is not None:
-            detail = json.dumps(
-                {
-                    "observed": _observed(obs),
-                    "task_status": row["status"] if row is not None else None,
-                    "attempt_provider_status": row["provider_status"] if row is not None else None,
-                    "source": str(obs.source),
-                    "trace_id": obs.trace_id,
-                }
-            )
+            detail = {
+                "observed": _observed(obs),
+                "task_status": row["status"] if row is not None else None,
+                "attempt_provider_status": row["provider_status"] if row is not None else None,
+                "source": str(obs.source),
+                "trace_id": obs.trace_id,
+            }
         task_id = row["id"] if row is not None else None
         attempt_id = obs.attempt_id if row is not None else None
         await conn.execute(
@@ -308,7 +305,7 @@ async def write_event(
         ref.task_id,
         attempt_id,
         version,
-        json.dumps(public),
+        public,
         source,
         trace_id,
         occurred_at,
@@ -319,7 +316,7 @@ async def write_event(
         change.error_message,
         change.asset_id,
         change.terminal,
-        json.dumps(payload),
+        payload,
         attempt_change is not None,
         str(attempt_change.provider_status)
         if attempt_change and attempt_change.provider_status

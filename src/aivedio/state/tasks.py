@@ -169,7 +169,7 @@ class TaskStore:
             new.provider,
             new.model,
             new.prompt,
-            json.dumps(new.params),
+            new.params,
             attempt_id,
             trace_id,
         )
