@@ -21,6 +21,7 @@ import itertools
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
@@ -75,11 +76,37 @@ def _user_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
     return {k: v for k, v in headers.items() if not k.lower().startswith(("nats-", "aivedio-"))}
 
 
+_UNAVAILABLE: tuple[type[BaseException], ...] = (
+    TimeoutError,  # nats.errors.TimeoutError and asyncio's are subclasses
+    nats.errors.NoRespondersError,
+    nats.errors.NoServersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.errors.OutboundBufferLimitError,
+    nats.errors.StaleConnectionError,
+    nats.errors.UnexpectedEOF,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+    OSError,
+)
+_NATS_ERRORS: tuple[type[BaseException], ...] = (nats.errors.Error, *_UNAVAILABLE)
+
+
 class _Edge:
     """Translates nats-py errors into the port's errors (the adapter edge)."""
 
     def __init__(self, closed: Callable[[], bool]) -> None:
         self._closed = closed
+
+    def translate(self, exc: BaseException, what: str) -> BusError:
+        if isinstance(exc, BusError):
+            return exc
+        if isinstance(exc, nats.errors.ConnectionClosedError):
+            if self._closed():
+                return BusClosed(f"{what}: the bus is closed")
+            return BusUnavailable(f"{what}: NATS connection closed")
+        if isinstance(exc, _UNAVAILABLE):
+            return BusUnavailable(f"{what}: NATS unavailable ({type(exc).__name__})")
+        return BusError(f"{what}: {exc}")
 
     @contextmanager
     def __call__(self, what: str) -> Iterator[None]:
@@ -87,25 +114,8 @@ class _Edge:
             yield
         except BusError:
             raise
-        except nats.errors.ConnectionClosedError as exc:
-            if self._closed():
-                raise BusClosed(f"{what}: the bus is closed") from exc
-            raise BusUnavailable(f"{what}: NATS connection closed") from exc
-        except (
-            TimeoutError,  # nats.errors.TimeoutError and asyncio's are subclasses
-            nats.errors.NoRespondersError,
-            nats.errors.NoServersError,
-            nats.errors.ConnectionReconnectingError,
-            nats.errors.OutboundBufferLimitError,
-            nats.errors.StaleConnectionError,
-            nats.errors.UnexpectedEOF,
-            nats.js.errors.NoStreamResponseError,
-            nats.js.errors.ServiceUnavailableError,
-            OSError,
-        ) as exc:
-            raise BusUnavailable(f"{what}: NATS unavailable ({type(exc).__name__})") from exc
-        except nats.errors.Error as exc:
-            raise BusError(f"{what}: {exc}") from exc
+        except _NATS_ERRORS as exc:
+            raise self.translate(exc, what) from exc
 
 
 class _AckPipeline:
@@ -125,6 +135,10 @@ class _AckPipeline:
         self._prefix = ""
         self._tokens = itertools.count()
         self._pending: dict[str, asyncio.Future[PublishAck]] = {}
+        # Deadlines in send order (the timeout is constant, so they are sorted): one timer
+        # sweeps them, instead of one timer per message.
+        self._deadlines: deque[tuple[float, str]] = deque()
+        self._sweeper: asyncio.TimerHandle | None = None
 
     async def start(self) -> None:
         self._prefix = self._nc.new_inbox()
@@ -133,39 +147,49 @@ class _AckPipeline:
     async def send(
         self, subject: str, payload: bytes, headers: dict[str, str]
     ) -> asyncio.Future[PublishAck]:
+        """Publish; the returned future settles within ``timeout_s``. Raises nats errors."""
         loop = asyncio.get_running_loop()
         token = str(next(self._tokens))
         future: asyncio.Future[PublishAck] = loop.create_future()
         self._pending[token] = future
-        timer = loop.call_later(self._timeout_s, self._expire, token)
-
-        def done(_: asyncio.Future[PublishAck]) -> None:
-            timer.cancel()
-            self._pending.pop(token, None)
-
-        future.add_done_callback(done)
+        deadline = loop.time() + self._timeout_s
+        self._deadlines.append((deadline, token))
+        if self._sweeper is None:
+            self._sweeper = loop.call_at(deadline, self._sweep)
         try:
             await self._nc.publish(
                 subject, payload, reply=f"{self._prefix}.{token}", headers=headers
             )
         except BaseException:
+            self._pending.pop(token, None)
             future.cancel()
             raise
         return future
 
-    def _expire(self, token: str) -> None:
-        future = self._pending.pop(token, None)
-        if future is not None and not future.done():
-            state = "connected" if self._nc.is_connected else "not connected"
-            future.set_exception(
-                BusUnavailable(f"no JetStream ack within {self._timeout_s}s (NATS {state})")
-            )
+    def _sweep(self) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, token = self._deadlines.popleft()
+            future = self._pending.pop(token, None)
+            if future is not None and not future.done():
+                state = "connected" if self._nc.is_connected else "not connected"
+                future.set_exception(
+                    BusUnavailable(f"no JetStream ack within {self._timeout_s}s (NATS {state})")
+                )
+        self._sweeper = (
+            loop.call_at(self._deadlines[0][0], self._sweep) if self._deadlines else None
+        )
 
     def fail_all(self, exc: BusError) -> None:
         for future in list(self._pending.values()):
             if not future.done():
                 future.set_exception(exc)
         self._pending.clear()
+        self._deadlines.clear()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
 
     async def _on_reply(self, msg: Msg) -> None:
         future = self._pending.pop(msg.subject[len(self._prefix) + 1 :], None)
@@ -328,8 +352,10 @@ class JetStreamBus:
         self._check_open()
         if self._nc.is_closed:
             raise BusUnavailable("NATS connection is closed")
-        with self._edge("publish"):
+        try:  # the hot path: no context manager per message
             return await self._pipeline.send(subject, payload, headers)
+        except _NATS_ERRORS as exc:
+            raise self._edge.translate(exc, "publish") from exc
 
     async def publish(
         self,
@@ -346,9 +372,21 @@ class JetStreamBus:
     async def publish_many(
         self, messages: Sequence[OutgoingMessage]
     ) -> list[PublishAck | BusError | ValueError]:
+        """Sends in input order with up to ``max_in_flight`` unacked; when the window is full it
+        waits until half of it has drained (one wake-up per half window, not per message)."""
         self._check_open()
         results: list[PublishAck | BusError | ValueError | None] = [None] * len(messages)
-        slots = asyncio.Semaphore(self._cfg.max_in_flight)
+        high = max(1, self._cfg.max_in_flight)
+        low = high // 2
+        in_flight = 0
+        drained = asyncio.Event()
+
+        def settled(_: asyncio.Future[PublishAck]) -> None:
+            nonlocal in_flight
+            in_flight -= 1
+            if in_flight <= low:
+                drained.set()
+
         futures: list[tuple[int, asyncio.Future[PublishAck]]] = []
         for i, m in enumerate(messages):
             try:
@@ -356,14 +394,16 @@ class JetStreamBus:
             except ValueError as exc:
                 results[i] = exc
                 continue
-            await slots.acquire()  # every future settles within publish_timeout_s
+            if in_flight >= high:
+                drained.clear()
+                await drained.wait()  # every future settles within publish_timeout_s
             try:
                 future = await self._send(subject, m.payload, hdrs)
             except BusError as exc:
-                slots.release()
                 results[i] = exc
                 continue
-            future.add_done_callback(lambda _: slots.release())
+            in_flight += 1
+            future.add_done_callback(settled)
             futures.append((i, future))
         if futures:
             await asyncio.wait([f for _, f in futures])
