@@ -27,7 +27,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from aivedio.sandbox import SandboxConfig, create_app
+from aivedio.sandbox import SandboxConfig, create_app, running
 from aivedio.sandbox.provider import SandboxProvider
 from aivedio.sandbox.simulation import CreateRequest, Script
 from aivedio.sandbox.webhooks import sign
@@ -206,9 +206,9 @@ async def make_sandbox(receiver: Receiver) -> AsyncIterator[SandboxFactory]:
         return Sandbox(running.url, client, receiver)
 
     yield make
-    for running, client in started:
+    for server, client in started:
         await client.aclose()
-        await running.stop()
+        await server.stop()
 
 
 @pytest.fixture
@@ -684,3 +684,28 @@ async def test_thousands_of_generations_run_on_one_scheduler() -> None:
         assert {g.sequence for g in provider.simulator.generations.values()} == {6}
     finally:
         await provider.stop()
+
+
+async def test_runs_in_process_with_asgi_transport() -> None:
+    app = create_app(SandboxConfig(api_key=API_KEY, public_url="http://sandbox"))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://sandbox") as client:
+        body = {"model": "m", "prompt": "p", "params": {"sandbox": QUICK}}
+        headers = {**AUTH, "Idempotency-Key": "asgi-1"}
+        not_started = await client.post("/v1/generations", json=body, headers=headers)
+        assert not_started.status_code == 503
+        assert not_started.json()["error"]["code"] == "sandbox_not_started"
+        async with running(app) as provider:
+            generation_id = (
+                await client.post("/v1/generations", json=body, headers=headers)
+            ).json()["id"]
+            await wait_until(
+                lambda: provider.simulator.generations[generation_id].status == "succeeded",
+                what="succeeded",
+            )
+            url = (await client.get(f"/v1/generations/{generation_id}", headers=AUTH)).json()[
+                "output"
+            ]["url"]
+            video = await client.get(url)
+            assert video.status_code == 200
+            assert video.content[4:8] == b"ftyp"

@@ -3,7 +3,7 @@
 The core never imports this package; ``aivedio sandbox-provider`` runs it as its own app.
 """
 
-from aivedio.sandbox.app import create_app, serve
+from aivedio.sandbox.app import create_app, running, serve
 from aivedio.sandbox.config import SandboxConfig
 
-__all__ = ["SandboxConfig", "create_app", "serve"]
+__all__ = ["SandboxConfig", "create_app", "running", "serve"]

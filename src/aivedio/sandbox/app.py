@@ -50,6 +50,8 @@ class SandboxApi:
         )
 
     def _admit(self, request: Request, endpoint: str, *, query: bool = False) -> Response | None:
+        if not self.provider.started:
+            return error(503, "sandbox_not_started", "Run the app's lifespan (see running()).")
         second = int(time.time())
         stats = self.stats
         stats.requests[endpoint] += 1
@@ -214,6 +216,14 @@ def create_app(config: SandboxConfig) -> Starlette:
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.sandbox = provider
     return app
+
+
+@contextlib.asynccontextmanager
+async def running(app: Starlette) -> AsyncIterator[SandboxProvider]:
+    """Run the app's lifespan without a server, e.g. around ``httpx.ASGITransport(app)``."""
+    async with app.router.lifespan_context(app):
+        provider: SandboxProvider = app.state.sandbox
+        yield provider
 
 
 async def serve(config: SandboxConfig, host: str, port: int) -> None:

@@ -64,6 +64,10 @@ class SandboxProvider:
         await self.webhooks.start()
         self._loop_task = asyncio.create_task(self.scheduler.run())
 
+    @property
+    def started(self) -> bool:
+        return self._loop_task is not None
+
     async def stop(self) -> None:
         if self._loop_task is not None:
             self._loop_task.cancel()
