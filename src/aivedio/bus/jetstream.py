@@ -17,13 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import json
 import logging
 import time
-from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import nats
@@ -34,6 +30,7 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.client import JetStreamContext
 
+from aivedio.bus.jetstream_pipeline import NATS_ERRORS, AckPipeline, Edge
 from aivedio.bus.port import (
     Bus,
     BusClosed,
@@ -67,155 +64,12 @@ H_ONLY_GROUP = "Aivedio-Only-Group"  # a replayed dead letter is for this group 
 
 # JetStream API error codes we act on.
 ERR_STREAM_NAME_IN_USE = 10058  # "stream name already in use with a different configuration"
-ERR_NO_MESSAGE_FOUND = 10037
 
 
 def _user_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
     if not headers:
         return {}
     return {k: v for k, v in headers.items() if not k.lower().startswith(("nats-", "aivedio-"))}
-
-
-_UNAVAILABLE: tuple[type[BaseException], ...] = (
-    TimeoutError,  # nats.errors.TimeoutError and asyncio's are subclasses
-    nats.errors.NoRespondersError,
-    nats.errors.NoServersError,
-    nats.errors.ConnectionReconnectingError,
-    nats.errors.OutboundBufferLimitError,
-    nats.errors.StaleConnectionError,
-    nats.errors.UnexpectedEOF,
-    nats.js.errors.NoStreamResponseError,
-    nats.js.errors.ServiceUnavailableError,
-    OSError,
-)
-_NATS_ERRORS: tuple[type[BaseException], ...] = (nats.errors.Error, *_UNAVAILABLE)
-
-
-class _Edge:
-    """Translates nats-py errors into the port's errors (the adapter edge)."""
-
-    def __init__(self, closed: Callable[[], bool]) -> None:
-        self._closed = closed
-
-    def translate(self, exc: BaseException, what: str) -> BusError:
-        if isinstance(exc, BusError):
-            return exc
-        if isinstance(exc, nats.errors.ConnectionClosedError):
-            if self._closed():
-                return BusClosed(f"{what}: the bus is closed")
-            return BusUnavailable(f"{what}: NATS connection closed")
-        if isinstance(exc, _UNAVAILABLE):
-            return BusUnavailable(f"{what}: NATS unavailable ({type(exc).__name__})")
-        return BusError(f"{what}: {exc}")
-
-    @contextmanager
-    def __call__(self, what: str) -> Iterator[None]:
-        try:
-            yield
-        except BusError:
-            raise
-        except _NATS_ERRORS as exc:
-            raise self.translate(exc, what) from exc
-
-
-class _AckPipeline:
-    """Pipelined JetStream publishing on core NATS: publish with a reply subject under one
-    wildcard inbox, resolve a future per message when the PubAck arrives.
-
-    This is what ``JetStreamContext.publish_async`` does, done here because (a) nats-py 2.16's
-    ``_handle_async_reply`` calls ``APIError.from_error`` which *raises*, so a rejected publish
-    leaves the future pending forever (nats-py issue #985), and (b) its futures have no timeout,
-    so a PubAck lost in a reconnect never resolves. Every future here settles within
-    ``timeout_s``: with the PubAck, the broker's error, or ``BusUnavailable``.
-    """
-
-    def __init__(self, nc: NatsClient, timeout_s: float) -> None:
-        self._nc = nc
-        self._timeout_s = timeout_s
-        self._prefix = ""
-        self._tokens = itertools.count()
-        self._pending: dict[str, asyncio.Future[PublishAck]] = {}
-        # Deadlines in send order (the timeout is constant, so they are sorted): one timer
-        # sweeps them, instead of one timer per message.
-        self._deadlines: deque[tuple[float, str]] = deque()
-        self._sweeper: asyncio.TimerHandle | None = None
-
-    async def start(self) -> None:
-        self._prefix = self._nc.new_inbox()
-        await self._nc.subscribe(self._prefix + ".*", cb=self._on_reply)
-
-    async def send(
-        self, subject: str, payload: bytes, headers: dict[str, str]
-    ) -> asyncio.Future[PublishAck]:
-        """Publish; the returned future settles within ``timeout_s``. Raises nats errors."""
-        loop = asyncio.get_running_loop()
-        token = str(next(self._tokens))
-        future: asyncio.Future[PublishAck] = loop.create_future()
-        self._pending[token] = future
-        deadline = loop.time() + self._timeout_s
-        self._deadlines.append((deadline, token))
-        if self._sweeper is None:
-            self._sweeper = loop.call_at(deadline, self._sweep)
-        try:
-            await self._nc.publish(
-                subject, payload, reply=f"{self._prefix}.{token}", headers=headers
-            )
-        except BaseException:
-            self._pending.pop(token, None)
-            future.cancel()
-            raise
-        return future
-
-    def _sweep(self) -> None:
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, token = self._deadlines.popleft()
-            future = self._pending.pop(token, None)
-            if future is not None and not future.done():
-                state = "connected" if self._nc.is_connected else "not connected"
-                future.set_exception(
-                    BusUnavailable(f"no JetStream ack within {self._timeout_s}s (NATS {state})")
-                )
-        self._sweeper = (
-            loop.call_at(self._deadlines[0][0], self._sweep) if self._deadlines else None
-        )
-
-    def fail_all(self, exc: BusError) -> None:
-        for future in list(self._pending.values()):
-            if not future.done():
-                future.set_exception(exc)
-        self._pending.clear()
-        self._deadlines.clear()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            self._sweeper = None
-
-    async def _on_reply(self, msg: Msg) -> None:
-        future = self._pending.pop(msg.subject[len(self._prefix) + 1 :], None)
-        if future is None or future.done():
-            return
-        if msg.headers and msg.headers.get("Status") == "503":
-            # No responders: no stream listens on the subject (JetStream restarting / stream
-            # deleted). Transient from the caller's point of view.
-            future.set_exception(BusUnavailable("no JetStream stream answered the publish"))
-            return
-        try:
-            resp = json.loads(msg.data)
-            if "error" in resp:
-                err = resp["error"]
-                kind = BusUnavailable if err.get("code") == 503 else BusError
-                future.set_exception(kind(f"JetStream rejected the publish: {err}"))
-                return
-            future.set_result(
-                PublishAck(
-                    stream=str(resp["stream"]),
-                    sequence=int(resp["seq"]),
-                    duplicate=bool(resp.get("duplicate", False)),
-                )
-            )
-        except (ValueError, KeyError, TypeError) as exc:
-            future.set_exception(BusError(f"unreadable JetStream PubAck: {exc}"))
 
 
 class JetStreamBus:
@@ -225,9 +79,9 @@ class JetStreamBus:
         self._cfg = cfg
         self._nc = nc
         self._js: JetStreamContext = nc.jetstream(timeout=cfg.request_timeout_s)
-        self._pipeline = _AckPipeline(nc, cfg.publish_timeout_s)
+        self._pipeline = AckPipeline(nc, cfg.publish_timeout_s)
         self._closed = False
-        self._edge = _Edge(lambda: self._closed)
+        self._edge = Edge(lambda: self._closed)
         self._consumers: list[JetStreamConsumer] = []
         self.dlq_stream = f"{cfg.stream}_DLQ"
         self._prefix = cfg.subject_prefix
@@ -354,7 +208,7 @@ class JetStreamBus:
             raise BusUnavailable("NATS connection is closed")
         try:  # the hot path: no context manager per message
             return await self._pipeline.send(subject, payload, headers)
-        except _NATS_ERRORS as exc:
+        except NATS_ERRORS as exc:
             raise self._edge.translate(exc, "publish") from exc
 
     async def publish(
