@@ -18,9 +18,10 @@ def resolve_database_url(settings: Settings) -> str:
     """The configured URL, else the embedded server's (started if it is not running)."""
     if settings.database_url:
         return settings.database_url
-    from aivedio.services import embedded
+    from aivedio.services.embedded import up
 
-    return embedded.up(settings.services).database_url
+    url: str = up(settings.services).database_url
+    return url
 
 
 def hash_api_key(key: str) -> bytes:

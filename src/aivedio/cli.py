@@ -75,19 +75,39 @@ def _cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     if unknown:
         print(f"unknown role(s): {', '.join(unknown)}; known: {', '.join(ROLES)}", file=sys.stderr)
         return 2
-    return asyncio.run(run_roles(settings, roles, port=args.port))
+    code: int = asyncio.run(run_roles(settings, roles, port=args.port))
+    return code
 
 
 def _cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     from aivedio.demo import run_demo
 
-    return run_demo(settings, port=args.port)
+    code: int = run_demo(settings, port=args.port)
+    return code
+
+
+def _cmd_sandbox(args: argparse.Namespace, settings: Settings) -> int:
+    from urllib.parse import urlsplit
+
+    from aivedio.demo import sandbox_config
+    from aivedio.sandbox import serve
+
+    where = urlsplit(settings.sandbox_url)
+    asyncio.run(
+        serve(
+            sandbox_config(settings),
+            args.host or where.hostname or "127.0.0.1",
+            args.port or where.port or 8100,
+        )
+    )
+    return 0
 
 
 def _cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
     from aivedio.bench import run_bench
 
-    return run_bench(settings, args.name, args.options)
+    code: int = run_bench(settings, args.name, args.options)
+    return code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="everything on embedded services, with the web UI")
     demo.add_argument("--port", type=int, default=None)
     demo.set_defaults(func=_cmd_demo)
+
+    sandbox = sub.add_parser("sandbox-provider", help="run the fake video provider")
+    sandbox.add_argument("--host", default=None)
+    sandbox.add_argument("--port", type=int, default=None)
+    sandbox.set_defaults(func=_cmd_sandbox)
 
     bench = sub.add_parser("bench", help="benchmarks; the last line printed is JSON")
     bench.add_argument("name")

@@ -1,0 +1,139 @@
+"""``aivedio run --role ...``: run roles in one process.
+
+HTTP roles (api, callbacks, gateway) contribute routes to one Starlette app on one port;
+background roles contribute loops that run until the process is told to stop. Every role can
+run in any number of processes at once: none keeps state that another replica needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import uvicorn
+from starlette.routing import BaseRoute
+
+from aivedio.api.app import create_app
+from aivedio.config import Settings
+from aivedio.logs import log, setup_logging
+from aivedio.runtime import Runtime, resolve_urls
+
+logger = logging.getLogger("aivedio.roles")
+
+Loop = Callable[[asyncio.Event], Awaitable[None]]
+
+
+@dataclass
+class RoleParts:
+    """What a role adds to the process: HTTP routes and background loops."""
+
+    routes: list[BaseRoute] = field(default_factory=list)
+    loops: list[Loop] = field(default_factory=list)
+    http: bool = False
+
+
+RoleFactory = Callable[[Runtime], Awaitable[RoleParts]]
+
+
+class EmbeddedServer(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to the process (several share one loop)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def _api(rt: Runtime) -> RoleParts:
+    return RoleParts(http=True)
+
+
+# The roles this build has. The operator contract names more (see cli.ROLES); they are added here
+# as they are built.
+AVAILABLE: dict[str, RoleFactory] = {
+    "api": _api,
+}
+
+
+def expand(roles: Sequence[str]) -> list[str]:
+    if "all" in roles:
+        return list(AVAILABLE)
+    return list(dict.fromkeys(roles))
+
+
+async def run_roles(settings: Settings, roles: Sequence[str], port: int | None = None) -> int:
+    setup_logging(settings.log_level)
+    wanted = expand(roles)
+    missing = [r for r in wanted if r not in AVAILABLE]
+    if missing:
+        log(
+            logger,
+            logging.ERROR,
+            "roles not available in this build",
+            roles=missing,
+            available=sorted(AVAILABLE),
+        )
+        return 2
+    rt = await Runtime.open(settings, resolve_urls(settings))
+    try:
+        return await serve(rt, wanted, port or settings.port)
+    finally:
+        await rt.close()
+
+
+async def serve(rt: Runtime, roles: Sequence[str], port: int) -> int:
+    parts = [await AVAILABLE[name](rt) for name in roles]
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stopping.set)
+    failed: list[BaseException] = []
+
+    def watch(job: asyncio.Task[object]) -> None:
+        # A role that ends by itself (crash, or a server that could not bind) stops the process:
+        # a half-running process would look healthy while doing nothing.
+        if not stopping.is_set():
+            if not job.cancelled() and job.exception() is not None:
+                failed.append(job.exception())  # type: ignore[arg-type]
+                log(logger, logging.ERROR, "role stopped", error=repr(job.exception()))
+            else:
+                failed.append(RuntimeError("a role ended"))
+            stopping.set()
+
+    jobs: list[asyncio.Task[object]] = []
+
+    def start(coro: Awaitable[object]) -> None:
+        job = asyncio.ensure_future(coro)
+        job.add_done_callback(watch)
+        jobs.append(job)
+
+    for p in parts:
+        for fn in p.loops:
+            start(fn(stopping))
+    server = None
+    if any(p.http for p in parts):
+        routes = [r for p in parts for r in p.routes]
+        app = create_app(rt.db, rt.tasks, rt.settings.api, extra_routes=routes)
+        server = EmbeddedServer(
+            uvicorn.Config(
+                app,
+                host=rt.settings.host,
+                port=port,
+                lifespan="off",
+                access_log=False,
+                log_config=None,
+                timeout_graceful_shutdown=10,
+            )
+        )
+        start(server.serve())
+    log(logger, logging.INFO, "roles running", roles=list(roles), port=port if server else None)
+    await stopping.wait()
+    log(logger, logging.INFO, "stopping", roles=list(roles))
+    if server is not None:
+        server.should_exit = True
+    await asyncio.gather(*jobs, return_exceptions=True)
+    return 1 if failed else 0
