@@ -34,8 +34,8 @@ def migrations() -> list[Migration]:
             )
     found.sort(key=lambda m: m.version)
     versions = [m.version for m in found]
-    if versions != list(range(1, len(found) + 1)):
-        raise ValueError(f"migration versions must be 1..N without gaps, got {versions}")
+    if len(set(versions)) != len(versions):
+        raise ValueError(f"two migrations share a version: {versions}")
     return found
 
 
@@ -57,6 +57,7 @@ async def migrate(conn: asyncpg.Connection) -> list[int]:
         rows = await conn.fetch("SELECT version, checksum FROM schema_migrations")
         done = {r["version"]: r["checksum"] for r in rows}
         applied = []
+        newest = max(done, default=0)
         for m in migrations():
             if m.version in done:
                 if done[m.version] != m.checksum:
@@ -64,6 +65,11 @@ async def migrate(conn: asyncpg.Connection) -> list[int]:
                         f"migration {m.version} ({m.name}) changed after it was applied"
                     )
                 continue
+            if m.version < newest:
+                raise RuntimeError(
+                    f"migration {m.version} ({m.name}) is older than the applied {newest}: "
+                    "migrations must land in version order"
+                )
             async with conn.transaction():
                 await conn.execute(m.sql)
                 await conn.execute(
