@@ -117,6 +117,9 @@ CREATE TABLE provider_callback_inbox (
     last_error_code       TEXT,
     processed_at          TIMESTAMPTZ,
     trace_id              TEXT,
+    event_type            TEXT,
+    attempt_id            TEXT,
+    payload_authenticated BOOLEAN     NOT NULL DEFAULT true,
     CONSTRAINT uq_provider_callback_dedup UNIQUE (provider, dedup_key),
     CONSTRAINT ck_inbox_status CHECK (process_status IN (
         'pending', 'retry', 'processed', 'orphan', 'dead'))
@@ -124,6 +127,9 @@ CREATE TABLE provider_callback_inbox (
 
 CREATE INDEX idx_callback_inbox_pending ON provider_callback_inbox (next_retry_at, id)
     WHERE process_status IN ('pending', 'retry', 'orphan');
+
+CREATE INDEX idx_callback_inbox_retention ON provider_callback_inbox (processed_at)
+    WHERE process_status = 'processed' AND payload IS NOT NULL;
 
 CREATE TABLE task_events (
     project_id      UUID        NOT NULL REFERENCES projects (id),

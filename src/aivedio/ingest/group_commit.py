@@ -1,0 +1,368 @@
+"""Group commit into ``provider_callback_inbox``: many callbacks, one INSERT, one commit.
+
+Each callback request hands its row to :meth:`InboxWriter.submit` and waits. One background task
+(the flusher) takes whatever is queued, up to ``max_batch`` rows (after lingering ``linger_s`` for
+more when the batch is not full), and inserts them all with ONE statement::
+
+    INSERT INTO provider_callback_inbox (...) SELECT * FROM unnest($1::text[], ...)
+    ON CONFLICT (provider, dedup_key) DO NOTHING RETURNING provider, dedup_key
+
+The statement runs outside an explicit transaction, so it is committed (``synchronous_commit`` as
+configured on the server, ``on`` by default: flushed to the WAL) when it returns. Only then is each
+waiter's future resolved with its own :class:`Outcome`: ``NEW`` when its key came back from
+RETURNING, ``DUPLICATE`` when the key was already stored (or appeared earlier in the same batch).
+Nothing is ever answered before its batch committed.
+
+Failures: a batch that meets :class:`~aivedio.errors.DatabaseUnavailable` fails every waiter in it
+with that error (the gateway answers 503; the commit may or may not have happened, which is safe:
+the provider retries and dedup absorbs the copy). Any other PostgreSQL error (a row the database
+refuses) makes the flusher insert that batch's rows one by one, so the bad row alone fails with
+:class:`InboxError` and the others get their true outcome. A full queue fails at once with
+:class:`InboxFull`; a closed writer with :class:`InboxClosed`.
+
+Rows are sorted by ``(provider, dedup_key)`` inside a batch, so concurrent batches (several
+gateway replicas) take the unique-index locks in one order and cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from enum import StrEnum
+
+import asyncpg
+from prometheus_client import Gauge, Histogram
+
+from aivedio.db.pool import Database
+from aivedio.errors import AivedioError, DatabaseUnavailable
+from aivedio.logs import log
+
+__all__ = [
+    "GroupCommitConfig",
+    "InboxClosed",
+    "InboxError",
+    "InboxFull",
+    "InboxRow",
+    "InboxWriter",
+    "Outcome",
+    "expire_processed_payloads",
+]
+
+logger = logging.getLogger("aivedio.ingest")
+
+BATCH_SIZE = Histogram(
+    "aivedio_callback_inbox_batch_size",
+    "Rows per group-commit INSERT into provider_callback_inbox",
+    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024),
+)
+INSERT_SECONDS = Histogram(
+    "aivedio_callback_inbox_insert_seconds",
+    "Duration of one group-commit INSERT (acquire, insert, commit)",
+    buckets=(0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0),
+)
+QUEUE_DEPTH = Gauge(
+    "aivedio_callback_inbox_queue_depth", "Callbacks waiting for the next group commit"
+)
+
+
+class Outcome(StrEnum):
+    NEW = "new"
+    """The row was inserted and committed by this batch."""
+    DUPLICATE = "duplicate"
+    """A row with this (provider, dedup_key) was already committed; nothing changed."""
+
+
+class InboxError(AivedioError):
+    """The database refused this row (not an outage): the gateway answers 500."""
+
+
+class InboxFull(AivedioError):
+    """The queue is at its bound: the gateway answers 503 at once rather than queue further."""
+
+
+class InboxClosed(AivedioError):
+    """The writer is shutting down and takes no more rows (503)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class InboxRow:
+    """One callback as stored. ``payload_json`` is the minimized payload, already serialized."""
+
+    provider: str
+    dedup_key: str
+    payload_hash: bytes
+    payload_json: str | None
+    received_at: datetime
+    provider_event_id: str | None = None
+    provider_task_id: str | None = None
+    client_request_id: str | None = None
+    provider_occurred_at: datetime | None = None
+    signature_key_version: str | None = None
+    event_type: str | None = None
+    attempt_id: str | None = None
+    payload_authenticated: bool = True
+    trace_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GroupCommitConfig:
+    max_batch: int = 512
+    """Most rows in one INSERT."""
+    linger_s: float = 0.002
+    """How long the flusher waits for more rows when a batch is not full."""
+    max_queue: int = 10_000
+    """Most rows waiting; beyond it ``submit`` raises :class:`InboxFull`."""
+    drain_timeout_s: float = 10.0
+    """How long ``close`` lets the flusher commit what is queued."""
+
+
+_COLUMNS = (
+    ("provider", "text"),
+    ("dedup_key", "text"),
+    ("provider_event_id", "text"),
+    ("provider_task_id", "text"),
+    ("client_request_id", "text"),
+    ("provider_occurred_at", "timestamptz"),
+    ("received_at", "timestamptz"),
+    ("signature_key_version", "text"),
+    ("payload_hash", "bytea"),
+    ("payload", "text"),  # serialized JSON, cast to jsonb below
+    ("trace_id", "text"),
+    ("event_type", "text"),
+    ("attempt_id", "text"),
+    ("payload_authenticated", "boolean"),
+)
+
+INSERT_BATCH = """
+INSERT INTO provider_callback_inbox ({names})
+SELECT {selected} FROM unnest({params}) AS t({names})
+ON CONFLICT (provider, dedup_key) DO NOTHING
+RETURNING provider, dedup_key
+""".format(
+    names=", ".join(name for name, _ in _COLUMNS),
+    selected=", ".join(f"{n}::jsonb" if n == "payload" else n for n, _ in _COLUMNS),
+    params=", ".join(f"${i}::{kind}[]" for i, (_, kind) in enumerate(_COLUMNS, start=1)),
+)
+
+EXPIRE_PAYLOADS = """
+UPDATE provider_callback_inbox SET payload = NULL
+WHERE process_status = 'processed' AND payload IS NOT NULL AND processed_at < $1
+"""
+
+
+def _columns(rows: list[InboxRow]) -> list[list[object]]:
+    return [
+        [r.provider for r in rows],
+        [r.dedup_key for r in rows],
+        [r.provider_event_id for r in rows],
+        [r.provider_task_id for r in rows],
+        [r.client_request_id for r in rows],
+        [r.provider_occurred_at for r in rows],
+        [r.received_at for r in rows],
+        [r.signature_key_version for r in rows],
+        [r.payload_hash for r in rows],
+        [r.payload_json for r in rows],
+        [r.trace_id for r in rows],
+        [r.event_type for r in rows],
+        [r.attempt_id for r in rows],
+        [r.payload_authenticated for r in rows],
+    ]
+
+
+_UNENCODABLE = re.compile(r"[\x00\ud800-\udfff]")
+
+
+def _check_row(row: InboxRow) -> None:
+    """Refuse, alone, a row the driver could not even send (NUL, lone surrogates): such a row
+    must never reach a batch, where its encoding error would fail every other row with it."""
+    for value in (
+        row.provider,
+        row.dedup_key,
+        row.payload_json,
+        row.provider_event_id,
+        row.provider_task_id,
+        row.client_request_id,
+        row.signature_key_version,
+        row.trace_id,
+        row.event_type,
+        row.attempt_id,
+    ):
+        if value is not None and _UNENCODABLE.search(value):
+            raise InboxError("the callback holds text PostgreSQL cannot store")
+
+
+@dataclass(slots=True, eq=False)
+class _Waiter:
+    row: InboxRow
+    future: asyncio.Future[Outcome]
+
+
+def _settle(waiter: _Waiter, outcome: Outcome | BaseException) -> None:
+    if waiter.future.done():  # the request went away (client disconnect, timeout)
+        return
+    if isinstance(outcome, BaseException):
+        waiter.future.set_exception(outcome)
+    else:
+        waiter.future.set_result(outcome)
+
+
+class InboxWriter:
+    """Queue + one flusher task. ``start()`` once, ``await close()`` at shutdown."""
+
+    def __init__(self, db: Database, config: GroupCommitConfig | None = None) -> None:
+        self.db = db
+        self.config = config or GroupCommitConfig()
+        self._queue: deque[_Waiter] = deque()
+        self._wakeup = asyncio.Event()
+        self._full = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the flusher on the running event loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(), name="inbox-group-commit"
+            )
+
+    async def close(self) -> None:
+        """Refuse new rows, commit what is queued (bounded by ``drain_timeout_s``), stop."""
+        self._closing = True
+        self._wakeup.set()
+        self._full.set()
+        task, self._task = self._task, None
+        if task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(task), self.config.drain_timeout_s)
+            except TimeoutError:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        while self._queue:  # never started, or the drain timed out
+            _settle(self._queue.popleft(), InboxClosed("the inbox writer is closed"))
+        QUEUE_DEPTH.set(0)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    # -- the request side -------------------------------------------------------------------
+
+    async def submit(self, row: InboxRow) -> Outcome:
+        """Queue ``row`` and wait until its batch committed; its own outcome, or an error:
+        :class:`DatabaseUnavailable`, :class:`InboxError`, :class:`InboxFull`,
+        :class:`InboxClosed`."""
+        if self._closing or self._task is None:
+            raise InboxClosed("the inbox writer is not running")
+        if len(self._queue) >= self.config.max_queue:
+            raise InboxFull("the callback inbox queue is full")
+        _check_row(row)
+        waiter = _Waiter(row, asyncio.get_running_loop().create_future())
+        self._queue.append(waiter)
+        QUEUE_DEPTH.set(len(self._queue))
+        self._wakeup.set()
+        if len(self._queue) >= self.config.max_batch:
+            self._full.set()
+        return await waiter.future
+
+    # -- the flusher ------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            if not self._queue:
+                if self._closing:
+                    return
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            if len(self._queue) < self.config.max_batch and not self._closing:
+                self._full.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._full.wait(), self.config.linger_s)
+            batch = [
+                self._queue.popleft() for _ in range(min(len(self._queue), self.config.max_batch))
+            ]
+            QUEUE_DEPTH.set(len(self._queue))
+            try:
+                await self._flush(batch)
+            except asyncio.CancelledError:
+                for waiter in batch:
+                    _settle(waiter, InboxClosed("the inbox writer was stopped"))
+                raise
+            except Exception as exc:  # never let the flusher die; fail this batch only
+                log(logger, logging.ERROR, "inbox batch failed", error=type(exc).__name__)
+                for waiter in batch:
+                    _settle(waiter, InboxError("the callback could not be stored"))
+
+    async def _flush(self, batch: list[_Waiter]) -> None:
+        # First occurrence of each key is inserted; later ones in the batch are duplicates.
+        first: dict[tuple[str, str], _Waiter] = {}
+        repeats: list[_Waiter] = []
+        for waiter in batch:
+            key = (waiter.row.provider, waiter.row.dedup_key)
+            if key in first:
+                repeats.append(waiter)
+            else:
+                first[key] = waiter
+        unique = [first[key] for key in sorted(first)]
+        BATCH_SIZE.observe(len(unique))
+        started = time.perf_counter()
+        try:
+            inserted = await self._insert([w.row for w in unique])
+        except DatabaseUnavailable as exc:
+            log(logger, logging.WARNING, "inbox batch: database unavailable", rows=len(batch))
+            for waiter in batch:
+                _settle(waiter, DatabaseUnavailable(str(exc)))
+            return
+        except asyncpg.PostgresError as exc:
+            log(logger, logging.WARNING, "inbox batch refused; rows one by one", error=exc.sqlstate)
+            await self._flush_one_by_one(unique, repeats)
+            return
+        finally:
+            INSERT_SECONDS.observe(time.perf_counter() - started)
+        for key, waiter in first.items():
+            _settle(waiter, Outcome.NEW if key in inserted else Outcome.DUPLICATE)
+        for waiter in repeats:
+            _settle(waiter, Outcome.DUPLICATE)
+
+    async def _insert(self, rows: list[InboxRow]) -> set[tuple[str, str]]:
+        async with self.db.connection() as conn:
+            records = await conn.fetch(INSERT_BATCH, *_columns(rows))
+        return {(r["provider"], r["dedup_key"]) for r in records}
+
+    async def _flush_one_by_one(self, unique: list[_Waiter], repeats: list[_Waiter]) -> None:
+        failed: dict[tuple[str, str], BaseException] = {}
+        for waiter in unique:
+            key = (waiter.row.provider, waiter.row.dedup_key)
+            try:
+                inserted = await self._insert([waiter.row])
+            except DatabaseUnavailable as exc:
+                failed[key] = DatabaseUnavailable(str(exc))
+            except asyncpg.PostgresError as exc:
+                log(logger, logging.ERROR, "inbox row refused", sqlstate=exc.sqlstate)
+                failed[key] = InboxError("the callback could not be stored")
+            else:
+                _settle(waiter, Outcome.NEW if key in inserted else Outcome.DUPLICATE)
+                continue
+            _settle(waiter, failed[key])
+        for waiter in repeats:
+            key = (waiter.row.provider, waiter.row.dedup_key)
+            _settle(waiter, failed.get(key, Outcome.DUPLICATE))
+
+
+async def expire_processed_payloads(db: Database, older_than: timedelta) -> int:
+    """Null the ``payload`` of rows processed more than ``older_than`` ago; the number nulled.
+
+    The row itself stays (its dedup key keeps absorbing late duplicates, its hash stays for
+    audits); only the provider's content goes. Called by the reconciler on a schedule."""
+    async with db.connection() as conn:
+        status = await conn.execute(EXPIRE_PAYLOADS, datetime.now(UTC) - older_than)
+    return int(status.rsplit(" ", 1)[-1])
