@@ -173,7 +173,9 @@ class BusContract:
         # no ack: the broker gives it out again after ack_wait
         [d2] = await fetch_n(consumer, 1, within_s=ACK_WAIT_S + 10)
         assert d2.dedup_id == "w-1"
-        assert d2.deliveries == 2
+        # >= 2, not == 2: on a loaded machine a redelivery can reach a pull request that timed
+        # out just before, which the broker counts as a delivery the client never saw.
+        assert d2.deliveries >= 2
         await d2.ack()
 
     async def test_in_progress_is_accepted(self, bus: Bus) -> None:
