@@ -6,6 +6,10 @@ it needs (``settings.database``, ``settings.api`` ...); no other module reads th
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
+import secrets
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -76,6 +80,32 @@ class Settings(BaseSettings):
     sandbox_api_key: str = "sandbox-key"
     sandbox_webhook_secrets: str = "whsec_c2FuZGJveC1kZWZhdWx0LXNlY3JldC0wMDAwMDAwMA=="
     log_level: str = "INFO"
+    secret_key: str | None = None
+
+    def master_secret(self) -> bytes:
+        """The key every signing secret is derived from (stream tokens, callback tokens,
+        playback links). ``AIVEDIO_SECRET_KEY`` when set (share it between processes); else a
+        random key kept in ``<data_dir>/secret.key``, created on first use with mode 0600."""
+        if self.secret_key:
+            return self.secret_key.encode()
+        path = self.data_dir / "secret.key"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".secret.key.{os.getpid()}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as handle:
+                handle.write(secrets.token_hex(32))
+            try:
+                os.link(tmp, path)  # atomic: a concurrent first start keeps one key
+            except FileExistsError:
+                pass
+            finally:
+                tmp.unlink()
+        return path.read_text().strip().encode()
+
+    def derived_secret(self, purpose: str) -> bytes:
+        """A separate key per purpose, so a leak of one signing key exposes nothing else."""
+        return hmac.new(self.master_secret(), purpose.encode(), hashlib.sha256).digest()
 
     @classmethod
     def from_env(cls) -> Settings:
