@@ -120,6 +120,9 @@ CREATE TABLE provider_callback_inbox (
     event_type            TEXT,
     attempt_id            TEXT,
     payload_authenticated BOOLEAN     NOT NULL DEFAULT true,
+    lease_until           TIMESTAMPTZ,
+    lease_token           UUID,
+    last_error_sample     TEXT,
     CONSTRAINT uq_provider_callback_dedup UNIQUE (provider, dedup_key),
     CONSTRAINT ck_inbox_status CHECK (process_status IN (
         'pending', 'retry', 'processed', 'orphan', 'dead'))
@@ -130,6 +133,10 @@ CREATE INDEX idx_callback_inbox_pending ON provider_callback_inbox (next_retry_a
 
 CREATE INDEX idx_callback_inbox_retention ON provider_callback_inbox (processed_at)
     WHERE process_status = 'processed' AND payload IS NOT NULL;
+
+-- Dead letters, for `aivedio inbox dead-letters` (migration 0005).
+CREATE INDEX idx_callback_inbox_dead ON provider_callback_inbox (id)
+    WHERE process_status = 'dead';
 
 CREATE TABLE task_events (
     project_id      UUID        NOT NULL REFERENCES projects (id),

@@ -1,0 +1,83 @@
+-- name: inbox_claim
+-- Claim up to $1 due rows for $2 seconds under lease token $3. SKIP LOCKED: concurrent
+-- processors take disjoint rows; a row whose lease passed (its processor died) is due again.
+-- $1 batch size  $2 lease seconds  $3 lease token
+WITH due AS (
+    SELECT id FROM provider_callback_inbox
+    WHERE process_status IN ('pending', 'retry', 'orphan')
+      AND (next_retry_at IS NULL OR next_retry_at <= now())
+      AND (lease_until IS NULL OR lease_until < now())
+    ORDER BY id
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE provider_callback_inbox AS i
+SET lease_until = now() + make_interval(secs => $2), lease_token = $3
+FROM due
+WHERE i.id = due.id
+RETURNING i.id, i.provider, i.dedup_key, i.provider_event_id, i.provider_task_id,
+          i.client_request_id, i.provider_occurred_at, i.received_at, i.payload,
+          i.process_status, i.retry_count, i.event_type, i.attempt_id,
+          i.payload_authenticated, i.trace_id
+
+-- name: inbox_lock_claimed
+-- Inside the apply transaction: the row is still ours (token) and still unprocessed.
+SELECT id FROM provider_callback_inbox
+WHERE id = $1 AND lease_token = $2 AND process_status IN ('pending', 'retry', 'orphan')
+FOR UPDATE
+
+-- name: inbox_finish
+-- The state service marked the row processed in this transaction; also drop the lease.
+UPDATE provider_callback_inbox
+SET process_status = 'processed', processed_at = COALESCE(processed_at, now()),
+    lease_until = NULL, lease_token = NULL
+WHERE id = $1
+
+-- name: inbox_defer
+-- Not processed this time: orphan (unmappable) or retry (parse / refetch failure) after a
+-- backoff, or dead once it has been tried $4 times. Fenced by the lease token.
+-- $1 id  $2 token  $3 'orphan' | 'retry'  $4 max tries  $5 delay seconds  $6 error code
+-- $7 redacted sample (NULL keeps the previous one)
+UPDATE provider_callback_inbox
+SET retry_count = retry_count + 1,
+    process_status = CASE WHEN retry_count + 1 >= $4 THEN 'dead' ELSE $3 END,
+    next_retry_at = CASE WHEN retry_count + 1 >= $4 THEN NULL
+                         ELSE now() + make_interval(secs => $5) END,
+    last_error_code = $6,
+    last_error_sample = COALESCE($7, last_error_sample),
+    lease_until = NULL, lease_token = NULL
+WHERE id = $1 AND lease_token = $2 AND process_status IN ('pending', 'retry', 'orphan')
+RETURNING process_status, retry_count
+
+-- name: attempt_by_id
+SELECT id, provider, client_request_id, provider_task_id
+FROM task_attempts WHERE id = $1 AND provider = $2
+
+-- name: attempt_by_provider_task
+SELECT id, provider, client_request_id, provider_task_id
+FROM task_attempts WHERE provider = $1 AND provider_task_id = $2
+
+-- name: attempt_by_client_request
+SELECT id, provider, client_request_id, provider_task_id
+FROM task_attempts WHERE provider = $1 AND client_request_id = $2
+
+-- name: attempt_record_provider_task_id
+-- A callback that arrived before the submit response taught us the provider's id for the job.
+UPDATE task_attempts SET provider_task_id = $2, updated_at = now()
+WHERE id = $1 AND provider_task_id IS NULL
+
+-- name: inbox_dead_letters
+SELECT id, provider, dedup_key, provider_task_id, client_request_id, event_type, received_at,
+       retry_count, last_error_code, last_error_sample, trace_id
+FROM provider_callback_inbox
+WHERE process_status = 'dead'
+ORDER BY id DESC
+LIMIT $1
+
+-- name: inbox_replay
+-- Requeue one row now, with a fresh try budget. A processed row is left alone.
+UPDATE provider_callback_inbox
+SET process_status = 'pending', retry_count = 0, next_retry_at = NULL,
+    lease_until = NULL, lease_token = NULL
+WHERE id = $1 AND process_status IN ('dead', 'orphan', 'retry')
+RETURNING id

@@ -1,0 +1,507 @@
+"""The inbox processor: stored callbacks -> provider observations -> the state service.
+
+Claim with a lease
+    One short statement claims up to ``batch_size`` due rows (``pending`` / ``retry`` /
+    ``orphan`` with ``next_retry_at`` passed) with ``FOR UPDATE SKIP LOCKED`` and stamps them with
+    ``lease_until`` and this claim's ``lease_token``; it commits at once. Any number of
+    processors run side by side: SKIP LOCKED gives them disjoint rows, and the lease keeps a
+    claimed row away from the others while it is worked on (a crashed processor's rows become
+    due again when the lease passes).
+One transaction per row
+    Each row is applied in its own transaction: lock the row again *fenced by the token* (a
+    processor whose lease was taken over finds nothing and stops), ``StateService.apply_in``
+    with ``inbox_id`` set (the state service marks the row processed in the same transaction),
+    record the provider task id on the attempt if the callback taught it, commit. A failing row
+    rolls back alone. No HTTP call ever runs inside a transaction: the re-fetch of an unsigned
+    provider's job happens between the claim and the apply.
+Mapping
+    To the attempt by the callback token's attempt id (unsigned providers: the only
+    authenticated id), else by ``(provider, provider_task_id)``, else by ``(provider,
+    client_request_id)`` — a callback that came before the submit response; the attempt then
+    gets its ``provider_task_id`` in the same transaction.
+Unsigned providers (``needs_refetch_on_callback``, or ``payload_authenticated = false``)
+    The body is only a hint: the processor queries the job (``adapter.query``) by the id WE
+    recorded for the attempt (the body's id only when we have none yet, and then the job must
+    echo the attempt's client_request_id) and applies the provider's answer. That observation
+    keeps ``source = webhook``: it was caused by the callback, and the state service orders it
+    like any other (sequence, successor table).
+Failures
+    unmappable -> ``orphan`` with exponential backoff, ``dead`` after ``orphan_max_tries``;
+    a payload the adapter cannot parse (or an unknown provider) -> ``retry`` with a redacted
+    sample in ``last_error_sample``, ``dead`` after ``parse_max_tries``; a re-fetch that fails
+    (429 / 5xx / 404 / timeout) -> ``retry``, ``dead`` after ``refetch_max_tries``. Dead letters
+    are listed by :func:`list_dead_letters` and requeued by :func:`replay`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import re
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+import asyncpg
+from prometheus_client import Counter, Histogram
+
+from aivedio.db.pool import Database
+from aivedio.db.queries import q
+from aivedio.domain.observation import Source
+from aivedio.errors import DatabaseUnavailable
+from aivedio.logs import log, trace_id_var
+from aivedio.providers.base import (
+    InboxFields,
+    JobState,
+    MalformedResponse,
+    NotFoundYet,
+    PayloadError,
+    ProviderAdapter,
+    ProviderError,
+    RateLimited,
+    sample_of,
+)
+from aivedio.state.service import StateService
+
+if TYPE_CHECKING:
+    from aivedio.roles import RoleParts
+    from aivedio.runtime import Runtime
+
+__all__ = [
+    "InboxConfig",
+    "InboxProcessor",
+    "backoff_s",
+    "inbox_role",
+    "list_dead_letters",
+    "replay",
+]
+
+logger = logging.getLogger("aivedio.ingest.processor")
+
+PROCESSED = Counter(
+    "aivedio_inbox_processed_total",
+    "Inbox rows applied through the state service, by outcome (applied / ignored / conflict)",
+    ["provider", "outcome"],
+)
+ORPHANS = Counter(
+    "aivedio_inbox_orphans_total",
+    "Inbox rows that could not be mapped to an attempt this time (retried with backoff)",
+    ["provider", "reason"],
+)
+RETRIES = Counter(
+    "aivedio_inbox_retries_total",
+    "Inbox rows deferred for a parse or re-fetch failure",
+    ["provider", "reason"],
+)
+DEAD_LETTERS = Counter(
+    "aivedio_inbox_dead_letters_total",
+    "Inbox rows moved to dead letter after their last try",
+    ["provider", "reason"],
+)
+REFETCHES = Counter(
+    "aivedio_inbox_refetches_total",
+    "Provider queries made for unsigned callbacks before applying them, by result",
+    ["provider", "result"],
+)
+PROCESS_SECONDS = Histogram(
+    "aivedio_inbox_process_seconds",
+    "Time to process one inbox row (normalize, map, re-fetch, apply)",
+    buckets=(0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+)
+LAG_SECONDS = Histogram(
+    "aivedio_inbox_lag_seconds",
+    "From the gateway's receipt of a callback to its row being processed",
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 30.0, 300.0),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class InboxConfig:
+    batch_size: int = 64
+    """Most rows one claim takes."""
+    concurrency: int = 8
+    """Rows of one batch processed at once (each in its own transaction)."""
+    lease_s: float = 60.0
+    """How long a claimed row stays away from other processors."""
+    idle_sleep_s: float = 0.02
+    max_idle_sleep_s: float = 0.5
+    """Sleep after an empty claim, doubling up to the max; a non-empty claim resets it."""
+    orphan_max_tries: int = 8
+    orphan_backoff_base_s: float = 1.0
+    orphan_backoff_cap_s: float = 300.0
+    parse_max_tries: int = 3
+    parse_backoff_base_s: float = 5.0
+    refetch_max_tries: int = 10
+    refetch_backoff_base_s: float = 2.0
+    backoff_cap_s: float = 600.0
+    error_backoff_s: float = 1.0
+    """Pause of the loop after a database outage."""
+
+
+def backoff_s(
+    tries: int, base_s: float, cap_s: float, rand: Callable[[], float] = random.random
+) -> float:
+    """Delay before try ``tries + 1``: ``min(cap, base * 2^(tries-1)) * uniform(0.8, 1.2)``."""
+    exponent = max(0, tries - 1)
+    delay = cap_s if exponent >= 64 else min(cap_s, base_s * 2.0**exponent)
+    return delay * (0.8 + 0.4 * rand())
+
+
+@dataclass(frozen=True, slots=True)
+class _Attempt:
+    id: uuid.UUID
+    client_request_id: str
+    provider_task_id: str | None
+
+
+class _Defer(Exception):
+    """Control flow: the row is not processed now (orphan or retry)."""
+
+    def __init__(
+        self,
+        kind: str,
+        code: str,
+        sample: str | None = None,
+        min_delay_s: float | None = None,
+    ) -> None:
+        super().__init__(code)
+        self.kind = kind  # "orphan" | "parse" | "refetch"
+        self.code = code
+        self.sample = sample
+        self.min_delay_s = min_delay_s
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def _fields(row: asyncpg.Record) -> InboxFields:
+    return InboxFields(
+        provider=row["provider"],
+        dedup_key=row["dedup_key"],
+        provider_event_id=row["provider_event_id"],
+        provider_task_id=row["provider_task_id"],
+        client_request_id=row["client_request_id"],
+        provider_occurred_at=row["provider_occurred_at"],
+        event_type=row["event_type"],
+        attempt_id=row["attempt_id"],
+        payload_authenticated=row["payload_authenticated"],
+        received_at=row["received_at"],
+    )
+
+
+class InboxProcessor:
+    """Claims, maps and applies inbox rows. ``run`` is the role loop; ``process_once`` one claim."""
+
+    def __init__(
+        self,
+        db: Database,
+        state: StateService,
+        adapters: Mapping[str, ProviderAdapter],
+        config: InboxConfig | None = None,
+    ) -> None:
+        self.db = db
+        self.state = state
+        self.adapters = dict(adapters)
+        self.config = config or InboxConfig()
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Process until ``stopping`` is set. A database outage pauses, never ends, the loop."""
+        idle = self.config.idle_sleep_s
+        while not stopping.is_set():
+            try:
+                claimed = await self.process_once()
+            except DatabaseUnavailable:
+                log(logger, logging.WARNING, "inbox processor: database unavailable")
+                claimed = 0
+                idle = self.config.error_backoff_s
+            if claimed >= self.config.batch_size:
+                idle = self.config.idle_sleep_s
+                continue
+            if claimed:
+                idle = self.config.idle_sleep_s
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), idle)
+            idle = min(idle * 2, self.config.max_idle_sleep_s)
+
+    async def process_once(self) -> int:
+        """Claim one batch and process every row of it; return how many rows were claimed."""
+        token = uuid.uuid4()
+        async with self.db.connection() as conn:
+            rows = await conn.fetch(
+                q("inbox_claim"), self.config.batch_size, self.config.lease_s, token
+            )
+        if not rows:
+            return 0
+        limit = asyncio.Semaphore(self.config.concurrency)
+
+        async def one(row: asyncpg.Record) -> None:
+            async with limit:
+                await self._process(row, token)
+
+        await asyncio.gather(*(one(row) for row in rows))
+        return len(rows)
+
+    # -- one row ---------------------------------------------------------------------------
+
+    async def _process(self, row: asyncpg.Record, token: uuid.UUID) -> None:
+        started = time.perf_counter()
+        trace = trace_id_var.set(row["trace_id"])
+        try:
+            await self._apply_row(row, token)
+        except _Defer as defer:
+            await self._defer(row, token, defer)
+        except DatabaseUnavailable:
+            # The lease runs out and the row is claimed again: nothing was committed.
+            log(logger, logging.WARNING, "inbox row left for later", inbox_id=row["id"])
+        except Exception as exc:  # a bug or a refused write: retry, then dead letter
+            log(
+                logger,
+                logging.ERROR,
+                "inbox row failed",
+                inbox_id=row["id"],
+                provider=row["provider"],
+                error=type(exc).__name__,
+            )
+            await self._defer(row, token, _Defer("parse", "internal_error"))
+        finally:
+            trace_id_var.reset(trace)
+            PROCESS_SECONDS.observe(time.perf_counter() - started)
+
+    async def _apply_row(self, row: asyncpg.Record, token: uuid.UUID) -> None:
+        provider = row["provider"]
+        adapter = self.adapters.get(provider)
+        if adapter is None:
+            raise _Defer("parse", "unknown_provider")
+        fields = _fields(row)
+        payload = row["payload"]
+        if not isinstance(payload, Mapping):
+            raise _Defer("parse", "no_payload")
+        try:
+            claimed = adapter.normalize(payload, fields)
+        except PayloadError as exc:
+            raise _Defer("parse", f"payload_{exc.code}", exc.sample or sample_of(payload)) from None
+        attempt = await self._map(row, fields, claimed)
+        state = claimed
+        if adapter.needs_refetch_on_callback or not fields.payload_authenticated:
+            state = await self._refetch(adapter, attempt, claimed)
+        await self._apply(row, token, adapter, attempt, state)
+
+    async def _map(self, row: asyncpg.Record, fields: InboxFields, claimed: JobState) -> _Attempt:
+        provider = fields.provider
+        task_id = claimed.provider_task_id or fields.provider_task_id
+        request_id = claimed.client_request_id or fields.client_request_id
+        async with self.db.connection() as conn:
+            found = None
+            if fields.attempt_id is not None:
+                try:
+                    attempt_id = uuid.UUID(fields.attempt_id)
+                except ValueError:
+                    raise _Defer("parse", "bad_attempt_id") from None
+                found = await conn.fetchrow(q("attempt_by_id"), attempt_id, provider)
+                if found is None:
+                    raise _Defer("orphan", "unknown_attempt")
+            if found is None and task_id is not None:
+                found = await conn.fetchrow(q("attempt_by_provider_task"), provider, task_id)
+            if found is None and request_id is not None:
+                found = await conn.fetchrow(q("attempt_by_client_request"), provider, request_id)
+                if found is not None and found["provider_task_id"] not in (None, task_id):
+                    raise _Defer("orphan", "task_id_mismatch")
+        if found is None:
+            raise _Defer("orphan", "unmapped")
+        return _Attempt(found["id"], found["client_request_id"], found["provider_task_id"])
+
+    async def _refetch(
+        self, adapter: ProviderAdapter, attempt: _Attempt, claimed: JobState
+    ) -> JobState:
+        """The provider's own answer for the job, instead of the unauthenticated body."""
+        task_id = attempt.provider_task_id or claimed.provider_task_id
+        if task_id is None:
+            raise _Defer("orphan", "no_task_id")
+        try:
+            state = await adapter.query(task_id)
+        except RateLimited as exc:
+            REFETCHES.labels(adapter.name, "rate_limited").inc()
+            raise _Defer("refetch", "refetch_rate_limited", min_delay_s=exc.retry_after_s) from None
+        except NotFoundYet:
+            REFETCHES.labels(adapter.name, "not_found").inc()
+            raise _Defer("refetch", "refetch_not_found") from None
+        except MalformedResponse as exc:
+            REFETCHES.labels(adapter.name, "malformed").inc()
+            raise _Defer("refetch", "refetch_malformed", exc.sample) from None
+        except ProviderError as exc:
+            reason = _snake(type(exc).__name__)
+            REFETCHES.labels(adapter.name, reason).inc()
+            raise _Defer("refetch", f"refetch_{reason}") from None
+        REFETCHES.labels(adapter.name, "ok").inc()
+        if attempt.provider_task_id is None and (
+            state.client_request_id is None or state.client_request_id != attempt.client_request_id
+        ):
+            # We only had the body's word for the job id: it must be the attempt's own job.
+            raise _Defer("orphan", "refetch_unconfirmed")
+        return JobState(
+            provider_task_id=state.provider_task_id or task_id,
+            status=state.status,
+            client_request_id=state.client_request_id,
+            progress=state.progress,
+            sequence=state.sequence,
+            occurred_at=state.occurred_at,
+            error_code=state.error_code,
+            output_ref=state.output_ref,
+        )
+
+    async def _apply(
+        self,
+        row: asyncpg.Record,
+        token: uuid.UUID,
+        adapter: ProviderAdapter,
+        attempt: _Attempt,
+        state: JobState,
+    ) -> None:
+        obs = state.observation(
+            adapter.name,
+            attempt.id,
+            Source.WEBHOOK,
+            provider_event_id=row["provider_event_id"],
+            dedup_key=row["dedup_key"],
+            received_at=row["received_at"],
+            inbox_id=row["id"],
+            trace_id=row["trace_id"],
+        )
+        async with self.db.transaction() as conn:
+            if await conn.fetchval(q("inbox_lock_claimed"), row["id"], token) is None:
+                log(logger, logging.INFO, "inbox row taken over", inbox_id=row["id"])
+                return
+            result = await self.state.apply_in(conn, obs)
+            if attempt.provider_task_id is None and state.provider_task_id is not None:
+                await conn.execute(
+                    q("attempt_record_provider_task_id"), attempt.id, state.provider_task_id
+                )
+            await conn.execute(q("inbox_finish"), row["id"])
+        PROCESSED.labels(adapter.name, str(result.outcome)).inc()
+        LAG_SECONDS.observe(max(0.0, (datetime.now(UTC) - row["received_at"]).total_seconds()))
+        log(
+            logger,
+            logging.DEBUG,
+            "inbox row processed",
+            inbox_id=row["id"],
+            provider=adapter.name,
+            outcome=str(result.outcome),
+            reason=str(result.reason) if result.reason else None,
+            task_id=str(result.task_id) if result.task_id else None,
+        )
+
+    async def _defer(self, row: asyncpg.Record, token: uuid.UUID, defer: _Defer) -> None:
+        cfg = self.config
+        tries = row["retry_count"] + 1
+        if defer.kind == "orphan":
+            status, max_tries = "orphan", cfg.orphan_max_tries
+            delay = backoff_s(tries, cfg.orphan_backoff_base_s, cfg.orphan_backoff_cap_s)
+        elif defer.kind == "refetch":
+            status, max_tries = "retry", cfg.refetch_max_tries
+            delay = backoff_s(tries, cfg.refetch_backoff_base_s, cfg.backoff_cap_s)
+        else:
+            status, max_tries = "retry", cfg.parse_max_tries
+            delay = backoff_s(tries, cfg.parse_backoff_base_s, cfg.backoff_cap_s)
+        if defer.min_delay_s is not None:
+            delay = max(delay, defer.min_delay_s)
+        provider = row["provider"]
+        try:
+            async with self.db.connection() as conn:
+                result = await conn.fetchrow(
+                    q("inbox_defer"),
+                    row["id"],
+                    token,
+                    status,
+                    max_tries,
+                    delay,
+                    defer.code,
+                    defer.sample[:1000] if defer.sample else None,
+                )
+        except DatabaseUnavailable:
+            return  # the lease runs out; the row is tried again
+        if result is None:
+            return  # taken over by another processor
+        if result["process_status"] == "dead":
+            DEAD_LETTERS.labels(provider, defer.code).inc()
+            log(
+                logger,
+                logging.WARNING,
+                "inbox row dead-lettered",
+                inbox_id=row["id"],
+                provider=provider,
+                code=defer.code,
+                tries=result["retry_count"],
+            )
+        elif status == "orphan":
+            ORPHANS.labels(provider, defer.code).inc()
+            log(
+                logger,
+                logging.INFO,
+                "inbox row orphaned",
+                inbox_id=row["id"],
+                provider=provider,
+                code=defer.code,
+                tries=result["retry_count"],
+                retry_in_s=round(delay, 3),
+            )
+        else:
+            RETRIES.labels(provider, defer.code).inc()
+            log(
+                logger,
+                logging.WARNING,
+                "inbox row deferred",
+                inbox_id=row["id"],
+                provider=provider,
+                code=defer.code,
+                tries=result["retry_count"],
+            )
+
+
+# --- operator functions (``aivedio inbox dead-letters`` / ``aivedio inbox replay ID``) ---------
+
+
+async def list_dead_letters(db: Database, limit: int = 50) -> list[dict[str, Any]]:
+    """The newest dead letters, without payloads (the sample is redacted)."""
+    async with db.connection() as conn:
+        rows = await conn.fetch(q("inbox_dead_letters"), limit)
+    return [
+        {
+            key: (value.isoformat() if isinstance(value, datetime) else value)
+            for key, value in row.items()
+        }
+        for row in rows
+    ]
+
+
+async def replay(db: Database, inbox_id: int) -> bool:
+    """Requeue one dead (or waiting orphan / retry) row now with a fresh try budget. False when
+    there is no such row or it was already processed."""
+    async with db.connection() as conn:
+        return await conn.fetchval(q("inbox_replay"), inbox_id) is not None
+
+
+# --- role -------------------------------------------------------------------------------------
+
+
+async def inbox_role(rt: Runtime) -> RoleParts:
+    """``aivedio run --role inbox``: one processor loop over the configured adapters."""
+    from aivedio.providers.registry import build_providers, providers_config
+    from aivedio.roles import RoleParts
+
+    adapters = build_providers(providers_config(rt.settings))
+    processor = InboxProcessor(rt.db, rt.state, adapters)
+
+    async def loop(stopping: asyncio.Event) -> None:
+        try:
+            await processor.run(stopping)
+        finally:
+            for adapter in adapters.values():
+                await adapter.aclose()
+
+    return RoleParts(loops=[loop])

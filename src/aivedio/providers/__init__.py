@@ -1,0 +1,45 @@
+"""Provider adapters behind one port (:class:`~aivedio.providers.base.ProviderAdapter`).
+
+One module per provider dialect: ``sandbox`` (aivedio's fake provider), ``replicate``, ``fal``,
+``runway`` (poll-only) and ``kling`` (unsigned callbacks); ``registry`` builds them from config.
+"""
+
+from aivedio.providers.base import (
+    AuthFailed,
+    InboxFields,
+    JobState,
+    MalformedResponse,
+    NormalizedCallback,
+    NotFoundYet,
+    PayloadError,
+    ProviderAdapter,
+    ProviderError,
+    ProviderUnavailable,
+    QueryResult,
+    RateLimited,
+    Rejected,
+    SubmitOutcomeUnknown,
+    SubmitRequest,
+    SubmitResult,
+    Unsupported,
+)
+
+__all__ = [
+    "AuthFailed",
+    "InboxFields",
+    "JobState",
+    "MalformedResponse",
+    "NormalizedCallback",
+    "NotFoundYet",
+    "PayloadError",
+    "ProviderAdapter",
+    "ProviderError",
+    "ProviderUnavailable",
+    "QueryResult",
+    "RateLimited",
+    "Rejected",
+    "SubmitOutcomeUnknown",
+    "SubmitRequest",
+    "SubmitResult",
+    "Unsupported",
+]

@@ -1,0 +1,201 @@
+"""Build the configured adapters from one typed config (the CLI maps ``AIVEDIO_*`` onto it).
+
+``build_providers(config)`` -> ``{name: ProviderAdapter}`` for every provider whose section is
+set; ``callback_providers(adapters)`` is the subset the callback gateway serves (poll-only
+adapters are left out, so their path answers 404). No module here reads the environment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import httpx
+
+from aivedio.config import Settings
+from aivedio.ingest.callback_provider import DEFAULT_MAX_BODY_BYTES, CallbackProvider
+from aivedio.ingest.jwks import FalEd25519Verifier, JwksCache, httpx_fetcher
+from aivedio.providers.base import HttpConfig, ProviderAdapter
+from aivedio.providers.fal import FalAdapter
+from aivedio.providers.kling import KlingAdapter
+from aivedio.providers.replicate import ReplicateAdapter
+from aivedio.providers.runway import RunwayAdapter
+from aivedio.providers.sandbox import SandboxAdapter
+
+__all__ = [
+    "FalConfig",
+    "KlingConfig",
+    "ProvidersConfig",
+    "ReplicateConfig",
+    "RunwayConfig",
+    "SandboxAdapterConfig",
+    "build_providers",
+    "callback_providers",
+    "providers_config",
+    "versioned",
+]
+
+FAL_JWKS_URL = "https://rest.alpha.fal.ai/.well-known/jwks.json"
+
+
+def versioned(secrets: tuple[str, ...] | list[str]) -> tuple[tuple[str, str], ...]:
+    """Secrets listed newest first as ``(version, secret)`` pairs: ``k0`` is the newest."""
+    return tuple((f"k{i}", secret) for i, secret in enumerate(secrets))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SandboxAdapterConfig:
+    base_url: str
+    api_key: str
+    webhook_secrets: tuple[str, ...]
+    """``whsec_`` keys, newest first (``AIVEDIO_SANDBOX_WEBHOOK_SECRETS``)."""
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    tolerance_s: float = 300.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicateConfig:
+    api_token: str
+    webhook_secrets: tuple[str, ...]
+    base_url: str = "https://api.replicate.com"
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    tolerance_s: float = 300.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FalConfig:
+    api_key: str
+    app_id: str
+    """``owner/name`` of the fal app; models are its endpoints (``owner/name/sub/path``)."""
+    base_url: str = "https://queue.fal.run"
+    jwks_url: str = FAL_JWKS_URL
+    expected_user_ids: tuple[str, ...] | None = None
+    """When set, a genuinely fal-signed callback for another fal account is refused."""
+    max_body_bytes: int = 1024 * 1024
+    tolerance_s: float = 300.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunwayConfig:
+    api_key: str
+    base_url: str = "https://api.dev.runwayml.com"
+    api_version: str = "2024-11-06"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KlingConfig:
+    access_key: str
+    secret_key: str
+    callback_token_secrets: tuple[bytes, ...]
+    """At least 16 random bytes each, newest first (tokens are minted with the newest)."""
+    base_url: str = "https://api-singapore.klingai.com"
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProvidersConfig:
+    public_url: str | None
+    """Base the providers call back (``AIVEDIO_PUBLIC_URL``); None: no webhooks (poll only)."""
+    http: HttpConfig = field(default_factory=HttpConfig)
+    sandbox: SandboxAdapterConfig | None = None
+    replicate: ReplicateConfig | None = None
+    fal: FalConfig | None = None
+    runway: RunwayConfig | None = None
+    kling: KlingConfig | None = None
+
+
+def build_providers(
+    config: ProvidersConfig, *, client: httpx.AsyncClient | None = None
+) -> dict[str, ProviderAdapter]:
+    """One adapter per configured provider. ``client`` (optional) is shared by all of them and
+    then closed by the caller; otherwise each adapter owns one (close with ``aclose``)."""
+    public, http = config.public_url, config.http
+    made: list[ProviderAdapter] = []
+    if (sb := config.sandbox) is not None:
+        made.append(
+            SandboxAdapter(
+                base_url=sb.base_url,
+                api_key=sb.api_key,
+                webhook_secrets=versioned(sb.webhook_secrets),
+                public_url=public,
+                tolerance_s=sb.tolerance_s,
+                max_body_bytes=sb.max_body_bytes,
+                http=http,
+                client=client,
+            )
+        )
+    if (rp := config.replicate) is not None:
+        made.append(
+            ReplicateAdapter(
+                api_token=rp.api_token,
+                webhook_secrets=versioned(rp.webhook_secrets),
+                public_url=public,
+                base_url=rp.base_url,
+                tolerance_s=rp.tolerance_s,
+                max_body_bytes=rp.max_body_bytes,
+                http=http,
+                client=client,
+            )
+        )
+    if (fl := config.fal) is not None:
+        jwks = JwksCache(httpx_fetcher(fl.jwks_url, client=client))
+        made.append(
+            FalAdapter(
+                api_key=fl.api_key,
+                app_id=fl.app_id,
+                verifier=FalEd25519Verifier(
+                    jwks, fl.tolerance_s, expected_user_ids=fl.expected_user_ids
+                ),
+                public_url=public,
+                base_url=fl.base_url,
+                max_body_bytes=fl.max_body_bytes,
+                http=http,
+                client=client,
+            )
+        )
+    if (rw := config.runway) is not None:
+        made.append(
+            RunwayAdapter(
+                api_key=rw.api_key,
+                base_url=rw.base_url,
+                api_version=rw.api_version,
+                http=http,
+                client=client,
+            )
+        )
+    if (kl := config.kling) is not None:
+        made.append(
+            KlingAdapter(
+                access_key=kl.access_key,
+                secret_key=kl.secret_key,
+                callback_token_secrets=tuple(
+                    (f"k{i}", secret) for i, secret in enumerate(kl.callback_token_secrets)
+                ),
+                public_url=public,
+                base_url=kl.base_url,
+                max_body_bytes=kl.max_body_bytes,
+                http=http,
+                client=client,
+            )
+        )
+    return {adapter.name: adapter for adapter in made}
+
+
+def callback_providers(adapters: Mapping[str, ProviderAdapter]) -> dict[str, CallbackProvider]:
+    """The adapters the callback gateway serves: those that receive webhooks at all."""
+    return {name: a for name, a in adapters.items() if a.supports_webhooks}
+
+
+def providers_config(settings: Settings) -> ProvidersConfig:
+    """The providers the settings configure today: the sandbox (``AIVEDIO_SANDBOX_*``), calling
+    back at ``AIVEDIO_PUBLIC_URL``. The other dialects are configured by building
+    :class:`ProvidersConfig` directly until the settings name them."""
+    secrets = tuple(s.strip() for s in settings.sandbox_webhook_secrets.split(",") if s.strip())
+    return ProvidersConfig(
+        public_url=settings.public_url,
+        sandbox=SandboxAdapterConfig(
+            base_url=settings.sandbox_url,
+            api_key=settings.sandbox_api_key,
+            webhook_secrets=secrets,
+        ),
+    )
