@@ -1,0 +1,30 @@
+"""The ``billing`` role. Register in ``roles.AVAILABLE`` as ``"billing": billing_role``."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from aivedio.billing.config import BillingConfig
+from aivedio.billing.consumer import BillingConsumer
+from aivedio.bus.jetstream import JetStreamBus
+from aivedio.bus.port import BusConfig
+
+if TYPE_CHECKING:
+    from aivedio.roles import RoleParts
+    from aivedio.runtime import Runtime
+
+
+async def billing_role(rt: Runtime, config: BillingConfig | None = None) -> RoleParts:
+    from aivedio.roles import RoleParts  # the runner imports this module: no import cycle
+
+    consumer = BillingConsumer(rt.db, config or BillingConfig())
+
+    async def consume(stopping: asyncio.Event) -> None:
+        bus = await JetStreamBus.connect(BusConfig(url=rt.urls.nats_url))
+        try:
+            await consumer.run(bus, stopping)
+        finally:
+            await bus.close()
+
+    return RoleParts(loops=[consume])

@@ -1,0 +1,50 @@
+"""The ``media`` role: the media consumer plus a media worker in one process.
+
+Register in ``roles.AVAILABLE`` as ``"media": media_role``. Configuration comes from the runtime's
+settings: the bus at ``urls.nats_url``, the object store under ``settings.data_dir / "media"``,
+the sandbox locator at ``settings.sandbox_url`` with ``settings.sandbox_api_key``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+import httpx
+
+from aivedio.bus.jetstream import JetStreamBus
+from aivedio.bus.port import BusConfig
+from aivedio.media.config import MediaConfig
+from aivedio.media.consumer import MediaConsumer
+from aivedio.media.sandbox_locator import SandboxLocatorConfig, SandboxOutputLocator
+from aivedio.media.worker import MediaWorker
+from aivedio.storage.filesystem import FileSystemObjectStore, FileSystemStoreConfig
+
+if TYPE_CHECKING:
+    from aivedio.roles import RoleParts
+    from aivedio.runtime import Runtime
+
+
+async def media_role(rt: Runtime, config: MediaConfig | None = None) -> RoleParts:
+    from aivedio.roles import RoleParts  # the runner imports this module: no import cycle
+
+    config = config or MediaConfig()
+    settings = rt.settings
+    store = FileSystemObjectStore(FileSystemStoreConfig(root=settings.data_dir / "media"))
+
+    async def consume(stopping: asyncio.Event) -> None:
+        bus = await JetStreamBus.connect(BusConfig(url=rt.urls.nats_url))
+        try:
+            await MediaConsumer(rt.db, config).run(bus, stopping)
+        finally:
+            await bus.close()
+
+    async def work(stopping: asyncio.Event) -> None:
+        async with httpx.AsyncClient(max_redirects=config.fetch.max_redirects) as http:
+            locator = SandboxOutputLocator(
+                SandboxLocatorConfig(settings.sandbox_url, settings.sandbox_api_key), http
+            )
+            worker = MediaWorker(rt.db, rt.state, store, locator, http, config)
+            await worker.run(stopping)
+
+    return RoleParts(loops=[consume, work])
