@@ -148,6 +148,17 @@ def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not JSON")
 
 
+class _Unstorable(ValueError):
+    """Valid JSON that PostgreSQL jsonb cannot store."""
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 parses as inf, which jsonb cannot store
+        raise _Unstorable("number out of range")
+    return value
+
+
 def _check_storable(payload: object, max_depth: int) -> None:
     """Raise ValueError unless PostgreSQL jsonb can store ``payload`` (iterative, no recursion)."""
     stack: list[tuple[object, int]] = [(payload, 1)]
@@ -319,15 +330,20 @@ class CallbackEndpoint:
         except UnicodeDecodeError:
             raise _Reject(400, "invalid_encoding", "invalid_encoding") from None
         try:
-            payload = json.loads(text, parse_constant=_reject_constant)
+            payload = json.loads(text, parse_constant=_reject_constant, parse_float=_finite)
+        except _Unstorable:
+            raise _Reject(422, "invalid_payload", "invalid_payload") from None
         except (ValueError, RecursionError):
             raise _Reject(422, "invalid_json", "invalid_json") from None
         if not isinstance(payload, dict):
             raise _Reject(422, "invalid_payload", "invalid_payload")
-        try:
-            _check_storable(payload, self.config.max_json_depth)
-        except ValueError:
-            raise _Reject(422, "invalid_payload", "invalid_payload") from None
+        # Fast path: without a \u escape no string can hold NUL or a lone surrogate (raw ones
+        # are not valid JSON / UTF-8), and with few brackets the nesting cannot be too deep.
+        if "\\u" in text or text.count("{") + text.count("[") > self.config.max_json_depth:
+            try:
+                _check_storable(payload, self.config.max_json_depth)
+            except ValueError:
+                raise _Reject(422, "invalid_payload", "invalid_payload") from None
         return payload
 
     def _row(
