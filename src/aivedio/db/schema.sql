@@ -175,6 +175,24 @@ CREATE TABLE outbox_events (
 
 CREATE INDEX idx_outbox_pending ON outbox_events (id) WHERE publish_status = 'pending';
 
+-- A task's older pending rows, for the relay's in-order claim (migration 0003).
+CREATE INDEX idx_outbox_pending_aggregate ON outbox_events (aggregate_id, id)
+    WHERE publish_status = 'pending';
+
+-- Wakes an idle outbox relay (LISTEN aivedio_outbox); notifies only while a relay holds advisory
+-- lock 1330992194, see migration 0003 for why.
+CREATE FUNCTION aivedio_outbox_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT pg_try_advisory_xact_lock_shared(1330992194) THEN
+        PERFORM pg_notify('aivedio_outbox', '');
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER trg_outbox_notify AFTER INSERT ON outbox_events
+    FOR EACH STATEMENT EXECUTE FUNCTION aivedio_outbox_notify();
+
 -- Observations that changed nothing (ignored) or contradicted a terminal (conflict).
 CREATE TABLE observation_audit (
     id                  BIGINT      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,

@@ -1,0 +1,332 @@
+"""The notification dispatcher: bus ``task.status`` -> Redis Pub/Sub, for the gateways.
+
+Consumes the topic as the durable group ``dispatcher`` (any number of replicas share it). For each
+fetched batch: parse every delivery, drop the ones whose ``(task_id, task_version)`` is not newer
+than the highest version this replica already published for that task (a bounded LRU), PUBLISH the
+rest through one Redis pipeline, and ack the whole batch only after Redis answered. If Redis is
+unreachable, the batch is nak-ed with a delay and fetching pauses until Redis answers a PING: the
+events are still on the bus, and in PostgreSQL for any browser that reconnects.
+
+What reaches Redis (one JSON object per event; :func:`routed_message`)::
+
+    {"type": "task.status", "project_id": ..., "epoch": 7, "seq": 42, "task_id": ...,
+     "task_version": 5, "public": {"event_id": 42, "task_id": ..., "task_version": 5,
+                                    "status": ..., "stage": ..., "progress": ..., ...}}
+
+Duplicates can still reach Redis (two replicas, or an LRU eviction, or a restart); the gateway and
+the browser drop them by seq / version, so they are harmless. Redis Pub/Sub itself is at most
+once; the gateway repairs gaps from PostgreSQL (DESIGN.md decision 4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+import redis.exceptions
+from prometheus_client import Counter, Histogram
+
+from aivedio.bus import Bus, BusClosed, BusError, BusUnavailable, Consumer, Delivery
+from aivedio.logs import log
+
+__all__ = [
+    "DispatcherConfig",
+    "NotificationDispatcher",
+    "RoutedEvent",
+    "VersionFilter",
+    "broadcast_channel",
+    "parse_event",
+    "routed_message",
+]
+
+logger = logging.getLogger("aivedio.dispatcher")
+
+EVENTS = Counter(
+    "aivedio_dispatch_events_total",
+    "Bus events seen by the dispatcher, by outcome "
+    "(published, duplicate, ignored, malformed, retried)",
+    ["outcome"],
+)
+REDIS_ERRORS = Counter(
+    "aivedio_dispatch_redis_errors_total", "Redis pipelines that failed (batch nak-ed)"
+)
+BATCH_SECONDS = Histogram(
+    "aivedio_dispatch_batch_seconds",
+    "From a fetched batch to its acks: parse, Redis pipeline, ack",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+)
+
+REDIS_ERRORS_CAUGHT: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
+
+
+def broadcast_channel(prefix: str = "aivedio") -> str:
+    """The channel every gateway subscribes to. Node-directed channels come with the realtime
+    work (``<prefix>:node:<id>``); a router then picks channels per event."""
+    return f"{prefix}:events"
+
+
+@dataclass(frozen=True, slots=True)
+class DispatcherConfig:
+    topic: str = "task.status"
+    group: str = "dispatcher"
+    channel_prefix: str = "aivedio"
+    batch_size: int = 500
+    idle_fetch_s: float = 1.0  # long-poll for the next event when there is nothing to do
+    lru_size: int = 100_000  # tasks whose highest published version is remembered
+    max_deliver: int = 5  # the bus's; a malformed event is dead-lettered on its last delivery
+    malformed_delay_s: float = 1.0  # nak delay of an event this replica cannot read
+    redis_nak_delay_s: float = 0.5
+    redis_timeout_s: float = 2.0
+    redis_probe_s: float = 0.5  # PING interval while Redis is unreachable
+
+
+@dataclass(frozen=True, slots=True)
+class RoutedEvent:
+    """The routing fields the gateway needs, plus the public payload."""
+
+    project_id: str
+    epoch: int
+    seq: int
+    task_id: str
+    task_version: int
+    public: dict[str, Any]
+
+
+class Malformed(ValueError):
+    """A bus event this dispatcher cannot read."""
+
+
+def parse_event(data: bytes) -> RoutedEvent | None:
+    """The routed event of a ``task.status.changed`` outbox payload; ``None`` for another event
+    type; raises :class:`Malformed` for anything unreadable."""
+    try:
+        body = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise Malformed(f"not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise Malformed("not a JSON object")
+    if body.get("event_type") != "task.status.changed":
+        return None
+    try:
+        public = body["public"]
+        if not isinstance(public, dict):
+            raise Malformed("public is not an object")
+        seq = _int(body["event_id"])
+        return RoutedEvent(
+            project_id=str(body["project_id"]),
+            epoch=_int(body["epoch"]),
+            seq=seq,
+            task_id=str(body["aggregate_id"]),
+            task_version=_int(body["aggregate_version"]),
+            public={**public, "event_id": seq},
+        )
+    except KeyError as exc:
+        raise Malformed(f"missing field {exc}") from None
+
+
+def _int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise Malformed(f"expected an integer, got {value!r}")
+    return value
+
+
+def routed_message(event: RoutedEvent) -> bytes:
+    return json.dumps(
+        {
+            "type": "task.status",
+            "project_id": event.project_id,
+            "epoch": event.epoch,
+            "seq": event.seq,
+            "task_id": event.task_id,
+            "task_version": event.task_version,
+            "public": event.public,
+        },
+        separators=(",", ":"),
+    ).encode()
+
+
+class VersionFilter:
+    """The highest version published per task, for the last ``size`` tasks seen (an LRU)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._seen: OrderedDict[str, int] = OrderedDict()
+
+    def is_new(self, task_id: str, version: int) -> bool:
+        last = self._seen.get(task_id)
+        return last is None or version > last
+
+    def record(self, task_id: str, version: int) -> None:
+        last = self._seen.get(task_id)
+        if last is None or version > last:
+            self._seen[task_id] = version
+        self._seen.move_to_end(task_id)
+        while len(self._seen) > self.size:
+            self._seen.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+
+Router = Callable[[RoutedEvent], Sequence[str]]
+
+
+class NotificationDispatcher:
+    """One dispatcher replica. ``run(stopping)`` consumes until ``stopping`` is set."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        redis_client: aioredis.Redis,
+        config: DispatcherConfig | None = None,
+        *,
+        router: Router | None = None,
+    ) -> None:
+        self.bus = bus
+        self.redis = redis_client
+        self.config = config or DispatcherConfig()
+        channel = broadcast_channel(self.config.channel_prefix)
+        self.router: Router = router or (lambda _event: (channel,))
+        self.versions = VersionFilter(self.config.lru_size)
+        self._consumer: Consumer | None = None
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        cfg = self.config
+        failures = 0
+        while not stopping.is_set():
+            try:
+                if self._consumer is None:
+                    self._consumer = await self.bus.subscribe(cfg.topic, cfg.group)
+                deliveries = await self._next_batch(self._consumer)
+                failures = 0
+            except BusClosed:
+                return
+            except BusUnavailable as exc:
+                failures += 1
+                log(logger, logging.WARNING, "dispatcher cannot fetch", error=str(exc))
+                await _pause(stopping, min(2.0, 0.1 * 2**failures))
+                continue
+            if deliveries and not await self.handle(deliveries):
+                await self._wait_for_redis(stopping)
+        if self._consumer is not None:
+            await self._consumer.close()
+
+    async def _next_batch(self, consumer: Consumer) -> list[Delivery]:
+        """What is there now (up to a batch), else wait for the next one event.
+
+        nats-py's pull fetch, once it has to wait, holds out for the *whole* batch until its
+        timeout; asking for one while idle returns as soon as one arrives.
+        """
+        got = await consumer.fetch(self.config.batch_size, timeout=0.002)
+        if got:
+            return got
+        return await consumer.fetch(1, timeout=self.config.idle_fetch_s)
+
+    async def handle(self, deliveries: Sequence[Delivery]) -> bool:
+        """Publish one batch to Redis and settle every delivery; ``False`` if Redis failed."""
+        started = time.perf_counter()
+        cfg = self.config
+        publish: list[tuple[Delivery, RoutedEvent]] = []
+        drop: list[Delivery] = []
+        batch_high: dict[str, int] = {}
+        for d in deliveries:
+            try:
+                event = parse_event(d.data)
+            except Malformed as exc:
+                await self._malformed(d, str(exc))
+                continue
+            if event is None:
+                EVENTS.labels("ignored").inc()
+                drop.append(d)
+                continue
+            high = batch_high.get(event.task_id)
+            if (high is not None and event.task_version <= high) or not self.versions.is_new(
+                event.task_id, event.task_version
+            ):
+                EVENTS.labels("duplicate").inc()
+                drop.append(d)
+                continue
+            batch_high[event.task_id] = event.task_version
+            publish.append((d, event))
+        if publish:
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for _, event in publish:
+                        body = routed_message(event)
+                        for channel in self.router(event):
+                            pipe.publish(channel, body)
+                    await pipe.execute()
+            except REDIS_ERRORS_CAUGHT as exc:
+                REDIS_ERRORS.inc()
+                EVENTS.labels("retried").inc(len(publish))
+                log(logger, logging.WARNING, "redis publish failed", error=repr(exc))
+                await self._settle([d for d, _ in publish], nak_delay=cfg.redis_nak_delay_s)
+                await self._settle(drop)
+                return False
+            for _, event in publish:
+                self.versions.record(event.task_id, event.task_version)
+            EVENTS.labels("published").inc(len(publish))
+        await self._settle([d for d, _ in publish] + drop)
+        BATCH_SECONDS.observe(time.perf_counter() - started)
+        return True
+
+    async def _malformed(self, d: Delivery, reason: str) -> None:
+        """Another replica (a newer version during a deploy) may read it: nak it, and give up
+        with the reason on its last delivery, so the dead letter says why."""
+        EVENTS.labels("malformed").inc()
+        log(logger, logging.WARNING, "malformed bus event", key=d.key, reason=reason)
+        try:
+            if d.deliveries >= self.config.max_deliver:
+                await d.term(f"malformed: {reason}")
+            else:
+                await d.nak(self.config.malformed_delay_s)
+        except BusError as exc:  # it comes back after ack_wait
+            log(logger, logging.WARNING, "settling a malformed event failed", error=str(exc))
+
+    @staticmethod
+    async def _settle(deliveries: Sequence[Delivery], nak_delay: float | None = None) -> None:
+        for d in deliveries:
+            try:
+                if nak_delay is None:
+                    await d.ack()
+                else:
+                    await d.nak(nak_delay)
+            except BusError as exc:  # redelivered after ack_wait; the version filter drops it
+                log(logger, logging.WARNING, "settling a delivery failed", error=str(exc))
+                return
+
+    async def _wait_for_redis(self, stopping: asyncio.Event) -> None:
+        """Fetch nothing more until Redis answers: every fetch would only burn a delivery."""
+        while not stopping.is_set():
+            await _pause(stopping, self.config.redis_probe_s)
+            try:
+                await self.redis.ping()
+            except REDIS_ERRORS_CAUGHT:
+                continue
+            log(logger, logging.INFO, "redis reachable again")
+            return
+
+
+def redis_client(url: str, config: DispatcherConfig | None = None) -> aioredis.Redis:
+    """A Redis client that fails fast (the dispatcher retries by itself)."""
+    timeout = (config or DispatcherConfig()).redis_timeout_s
+    client: aioredis.Redis = aioredis.Redis.from_url(
+        url,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        health_check_interval=10,
+    )
+    return client
+
+
+async def _pause(stopping: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stopping.wait(), timeout=seconds)

@@ -1,0 +1,346 @@
+"""The outbox relay: publish ``outbox_events`` rows to the bus at least once, in per-task order.
+
+One round (``pump``) is one transaction: claim a batch (``outbox_claim``: due pending rows, oldest
+first, ``FOR UPDATE SKIP LOCKED``, only the oldest pending row of each task), publish it with
+``Bus.publish_many`` (many in flight; key = task id, dedup id = outbox id, so a republished row is
+dropped by the broker's ``Nats-Msg-Id`` window), then mark the acked rows published and the failed
+ones for a retry with backoff (one UPDATE each), and commit. A relay that dies anywhere before the
+commit leaves the rows pending and locked only until its connection goes away; the next round
+republishes them and the broker answers ``duplicate``.
+
+Order: a task's next row is not claimable while an older one is pending, whoever holds it, so one
+task never has two events in flight, across any number of relays (``docs/explanation/
+propagation.md`` has the argument). The price: a task with k pending events needs k rounds.
+
+Waking: after an empty round the relay sleeps on ``LISTEN aivedio_outbox`` holding advisory lock
+:data:`IDLE_LOCK`; the insert trigger notifies only while that lock is held (see migration 0003),
+and the relay re-checks for work once it holds the lock. A poll every ``poll_interval_s`` is the
+safety net (lost connection, rows whose retry became due).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import asyncpg
+from prometheus_client import Counter, Gauge, Histogram
+
+from aivedio.bus import Bus, BusError, BusUnavailable, OutgoingMessage, PublishAck
+from aivedio.db.pool import UNAVAILABLE_ERRORS, Database
+from aivedio.db.queries import q
+from aivedio.errors import DatabaseUnavailable
+from aivedio.logs import log
+
+__all__ = [
+    "IDLE_LOCK",
+    "NOTIFY_CHANNEL",
+    "OutboxRelay",
+    "PumpResult",
+    "RelayConfig",
+]
+
+logger = logging.getLogger("aivedio.relay")
+
+NOTIFY_CHANNEL = "aivedio_outbox"
+IDLE_LOCK = 0x4F555442  # "OUTB"; the same number is in migration 0003's trigger
+
+BACKLOG = Gauge("aivedio_outbox_backlog", "Outbox rows waiting to be published (pending)")
+OLDEST_AGE = Gauge(
+    "aivedio_outbox_oldest_pending_age_seconds", "Age of the oldest pending outbox row"
+)
+PUBLISH_SECONDS = Histogram(
+    "aivedio_outbox_publish_seconds",
+    "Time to publish one claimed batch until every broker ack (or failure) arrived",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+RELAY_LAG = Histogram(
+    "aivedio_outbox_relay_lag_seconds",
+    "From the outbox insert to the broker's ack, per published event",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0, 30.0, 120.0),
+)
+PUBLISHED = Counter(
+    "aivedio_outbox_published_total",
+    "Outbox rows marked published, by whether the broker already had them",
+    ["duplicate"],
+)
+FAILED = Counter(
+    "aivedio_outbox_publish_failures_total",
+    "Outbox publishes that failed and will be retried (unavailable) or were rejected",
+    ["kind"],
+)
+DEAD = Counter(
+    "aivedio_outbox_dead_total", "Outbox rows given up on after repeated broker rejections"
+)
+
+# What a round, the listener or the stats query may raise when PostgreSQL misbehaves.
+DB_ERRORS: tuple[type[BaseException], ...] = (
+    DatabaseUnavailable,
+    asyncpg.PostgresError,
+    *UNAVAILABLE_ERRORS,
+)
+
+# Called after the broker acked a batch and before the rows are marked: tests inject a crash here.
+AfterPublish = Callable[[Sequence[asyncpg.Record]], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class RelayConfig:
+    batch_size: int = 1000
+    poll_interval_s: float = 1.0  # safety net: claim at least this often when idle
+    retry_base_s: float = 0.5  # first retry delay of a failed row; doubles per failure
+    retry_max_s: float = 10.0
+    max_rejections: int = 10  # broker rejections (not outages) before a row becomes 'dead'
+    broker_pause_s: float = 0.5  # after a batch the broker could not take at all
+    stats_interval_s: float = 5.0  # backlog gauges
+    topics: Mapping[str, str] = field(
+        default_factory=lambda: {"task.status.changed": "task.status"}
+    )
+
+    def topic(self, event_type: str) -> str:
+        return self.topics.get(event_type, event_type)
+
+
+@dataclass(frozen=True, slots=True)
+class PumpResult:
+    claimed: int = 0
+    published: int = 0
+    unavailable: int = 0  # failed because the broker was unavailable (retried, never dead)
+    rejected: int = 0  # failed because the broker refused the message
+
+    @property
+    def broker_down(self) -> bool:
+        return self.claimed > 0 and self.unavailable == self.claimed
+
+
+class OutboxRelay:
+    """One relay replica. ``run(stopping)`` until ``stopping`` is set; ``pump()`` for one round."""
+
+    def __init__(
+        self,
+        db: Database,
+        bus: Bus,
+        config: RelayConfig | None = None,
+        *,
+        after_publish: AfterPublish | None = None,
+    ) -> None:
+        self.db = db
+        self.bus = bus
+        self.config = config or RelayConfig()
+        self._after_publish = after_publish
+        self._wake = asyncio.Event()
+        self._listener: asyncpg.Connection | None = None
+        self._busy_rechecks = 0  # re-checks that saw work another relay then held
+
+    # -- one round ---------------------------------------------------------------------------
+
+    async def pump(self) -> PumpResult:
+        """Claim, publish, mark: one transaction. Returns what happened to the batch."""
+        cfg = self.config
+        async with self.db.transaction() as conn:
+            rows = await conn.fetch(q("outbox_claim"), cfg.batch_size)
+            if not rows:
+                return PumpResult()
+            messages = [
+                OutgoingMessage(
+                    topic=cfg.topic(r["event_type"]),
+                    key=str(r["aggregate_id"]),
+                    dedup_id=str(r["id"]),
+                    payload=r["payload"].encode(),
+                )
+                for r in rows
+            ]
+            started = time.perf_counter()
+            results = await self.bus.publish_many(messages)
+            PUBLISH_SECONDS.observe(time.perf_counter() - started)
+            if self._after_publish is not None:
+                await self._after_publish(rows)
+            result, ok, failed = self._sort(rows, results)
+            if ok:
+                await conn.execute(q("outbox_mark_published"), [r["id"] for r, _ in ok])
+            if failed:
+                ids, delays, dead = zip(*failed, strict=True)
+                await conn.execute(q("outbox_mark_failed"), list(ids), list(delays), list(dead))
+        self._count(ok, result)
+        return result
+
+    def _sort(
+        self,
+        rows: Sequence[asyncpg.Record],
+        results: Sequence[PublishAck | BusError | ValueError],
+    ) -> tuple[PumpResult, list[tuple[asyncpg.Record, PublishAck]], list[tuple[int, float, bool]]]:
+        cfg = self.config
+        ok: list[tuple[asyncpg.Record, PublishAck]] = []
+        failed: list[tuple[int, float, bool]] = []
+        unavailable = rejected = 0
+        for row, res in zip(rows, results, strict=True):
+            if isinstance(res, PublishAck):
+                ok.append((row, res))
+                continue
+            tries = row["retry_count"]
+            delay = min(cfg.retry_max_s, cfg.retry_base_s * 2 ** min(tries, 20))
+            delay *= random.uniform(0.8, 1.2)
+            if isinstance(res, BusUnavailable):
+                unavailable += 1
+                failed.append((row["id"], delay, False))
+                continue
+            rejected += 1
+            dead = tries + 1 >= cfg.max_rejections
+            failed.append((row["id"], delay, dead))
+            log(
+                logger,
+                logging.ERROR if dead else logging.WARNING,
+                "outbox row rejected by the broker",
+                outbox_id=row["id"],
+                task_id=str(row["aggregate_id"]),
+                task_version=row["aggregate_version"],
+                tries=tries + 1,
+                dead=dead,
+                error=str(res),
+            )
+        result = PumpResult(len(rows), len(ok), unavailable, rejected)
+        return result, ok, failed
+
+    @staticmethod
+    def _count(ok: list[tuple[asyncpg.Record, PublishAck]], result: PumpResult) -> None:
+        now = time.time()
+        duplicates = 0
+        for row, ack in ok:
+            duplicates += ack.duplicate
+            RELAY_LAG.observe(max(0.0, now - row["created_at"].timestamp()))
+        if len(ok) - duplicates:
+            PUBLISHED.labels("false").inc(len(ok) - duplicates)
+        if duplicates:
+            PUBLISHED.labels("true").inc(duplicates)
+        if result.unavailable:
+            FAILED.labels("unavailable").inc(result.unavailable)
+        if result.rejected:
+            FAILED.labels("rejected").inc(result.rejected)
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Pump until ``stopping``: again at once after a non-empty round, else sleep."""
+        stats = asyncio.create_task(self._stats_loop(stopping))
+        failures = 0
+        try:
+            while not stopping.is_set():
+                try:
+                    result = await self.pump()
+                    failures = 0
+                except DB_ERRORS as exc:
+                    failures += 1
+                    log(logger, logging.WARNING, "outbox relay round failed", error=repr(exc))
+                    await _wait(stopping, min(self.config.poll_interval_s, 0.1 * 2**failures))
+                    continue
+                if result.claimed:
+                    self._busy_rechecks = 0
+                    if result.broker_down:
+                        await _wait(stopping, self.config.broker_pause_s)
+                    continue
+                await self._sleep(stopping)
+        finally:
+            stats.cancel()
+            await asyncio.gather(stats, return_exceptions=True)
+            await self._drop_listener()
+
+    async def _sleep(self, stopping: asyncio.Event) -> None:
+        """Wait for a NOTIFY (or the poll interval) holding the idle lock; see the module doc."""
+        poll = self.config.poll_interval_s
+        listener = await self._connect_listener()
+        if listener is None:
+            await _wait(stopping, poll)
+            return
+        self._wake.clear()
+        try:
+            # Bounded by lock_timeout: another relay may be asleep holding it (it gets the
+            # same notifications); in-flight writers hold it shared only until they commit.
+            await listener.execute("SELECT pg_advisory_lock($1)", IDLE_LOCK)
+        except asyncpg.LockNotAvailableError:
+            return
+        except DB_ERRORS as exc:
+            log(logger, logging.WARNING, "outbox listener lost", error=repr(exc))
+            await self._drop_listener()
+            return
+        try:
+            # A writer that committed before we held the lock did not notify: look once more.
+            work = bool(await listener.fetchval(q("outbox_has_work")))
+            if not work:
+                await _wait(stopping, poll, self._wake)
+            await listener.execute("SELECT pg_advisory_unlock($1)", IDLE_LOCK)
+        except DB_ERRORS as exc:
+            log(logger, logging.WARNING, "outbox listener lost", error=repr(exc))
+            await self._drop_listener()  # closing the session releases the lock
+            return
+        if work:
+            # Work we could not claim is held by another relay: back off a little, not spin.
+            self._busy_rechecks += 1
+            if self._busy_rechecks > 1:
+                await _wait(stopping, min(0.001 * self._busy_rechecks, 0.02))
+
+    async def _connect_listener(self) -> asyncpg.Connection | None:
+        if self._listener is not None and not self._listener.is_closed():
+            return self._listener
+        self._listener = None
+        try:
+            conn = await asyncpg.connect(
+                self.db.config.url, timeout=self.db.config.acquire_timeout_s
+            )
+        except DB_ERRORS as exc:
+            log(logger, logging.WARNING, "outbox listener cannot connect", error=repr(exc))
+            return None
+        try:
+            timeout_ms = max(1, int(self.config.poll_interval_s * 1000))
+            await conn.execute(f"SET lock_timeout = {timeout_ms}")
+            await conn.add_listener(NOTIFY_CHANNEL, self._on_notify)
+        except DB_ERRORS as exc:
+            log(logger, logging.WARNING, "outbox listener setup failed", error=repr(exc))
+            conn.terminate()
+            return None
+        self._listener = conn
+        return conn
+
+    def _on_notify(self, *_: object) -> None:
+        self._wake.set()
+
+    async def _drop_listener(self) -> None:
+        conn, self._listener = self._listener, None
+        if conn is not None and not conn.is_closed():
+            try:
+                await asyncio.wait_for(conn.close(), timeout=2.0)
+            except DB_ERRORS:
+                conn.terminate()
+
+    async def _stats_loop(self, stopping: asyncio.Event) -> None:
+        while not stopping.is_set():
+            try:
+                await self.update_gauges()
+            except DB_ERRORS as exc:
+                log(logger, logging.DEBUG, "outbox stats failed", error=repr(exc))
+            await _wait(stopping, self.config.stats_interval_s)
+
+    async def update_gauges(self) -> tuple[int, float]:
+        """Refresh the backlog gauges; returns (pending rows, age of the oldest in seconds)."""
+        async with self.db.connection() as conn:
+            row = await conn.fetchrow(q("outbox_stats"))
+        assert row is not None
+        BACKLOG.set(row["backlog"])
+        OLDEST_AGE.set(row["oldest_age_s"])
+        return int(row["backlog"]), float(row["oldest_age_s"])
+
+
+async def _wait(stopping: asyncio.Event, timeout: float, wake: asyncio.Event | None = None) -> None:  # noqa: ASYNC109
+    """Sleep up to ``timeout``; return early when ``stopping`` (or ``wake``) is set."""
+    events = [stopping] if wake is None else [stopping, wake]
+    if any(e.is_set() for e in events):
+        return
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()

@@ -1,0 +1,92 @@
+"""The ``relay`` and ``dispatcher`` roles for ``aivedio run --role ...``.
+
+Each factory returns one background loop. The loop connects to the bus itself and keeps trying
+while the broker is away (the outbox keeps growing meanwhile; nothing is lost), so a role never
+fails its process because NATS or Redis is down at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from aivedio.bus import Bus, BusConfig, BusUnavailable
+from aivedio.logs import log
+from aivedio.propagation.dispatcher import DispatcherConfig, NotificationDispatcher, redis_client
+from aivedio.propagation.relay import OutboxRelay, RelayConfig
+
+if TYPE_CHECKING:
+    from aivedio.roles import RoleParts
+    from aivedio.runtime import Runtime
+
+__all__ = ["connect_bus", "dispatcher_role", "relay_role"]
+
+logger = logging.getLogger("aivedio.propagation")
+
+
+async def connect_bus(config: BusConfig, stopping: asyncio.Event) -> Bus | None:
+    """Connect to the JetStream bus, retrying with backoff; ``None`` once ``stopping`` is set."""
+    from aivedio.bus.jetstream import JetStreamBus
+
+    delay = 0.5
+    while not stopping.is_set():
+        try:
+            return await JetStreamBus.connect(config)
+        except BusUnavailable as exc:
+            log(logger, logging.WARNING, "bus unavailable, retrying", error=str(exc), in_s=delay)
+        try:
+            await asyncio.wait_for(stopping.wait(), timeout=delay)
+        except TimeoutError:
+            delay = min(delay * 2, 10.0)
+    return None
+
+
+async def relay_role(
+    rt: Runtime,
+    *,
+    bus_config: BusConfig | None = None,
+    config: RelayConfig | None = None,
+    replicas: int = 1,
+) -> RoleParts:
+    """``replicas`` relay loops in this process (each one claims its own batches)."""
+    from aivedio.roles import RoleParts
+
+    bus_cfg = bus_config or BusConfig(url=rt.urls.nats_url)
+
+    async def loop(stopping: asyncio.Event) -> None:
+        bus = await connect_bus(bus_cfg, stopping)
+        if bus is None:
+            return
+        try:
+            relays = [OutboxRelay(rt.db, bus, config) for _ in range(max(1, replicas))]
+            await asyncio.gather(*(r.run(stopping) for r in relays))
+        finally:
+            await bus.close()
+
+    return RoleParts(loops=[loop])
+
+
+async def dispatcher_role(
+    rt: Runtime,
+    *,
+    bus_config: BusConfig | None = None,
+    config: DispatcherConfig | None = None,
+) -> RoleParts:
+    from aivedio.roles import RoleParts
+
+    bus_cfg = bus_config or BusConfig(url=rt.urls.nats_url)
+    cfg = config or DispatcherConfig(max_deliver=bus_cfg.max_deliver)
+
+    async def loop(stopping: asyncio.Event) -> None:
+        bus = await connect_bus(bus_cfg, stopping)
+        if bus is None:
+            return
+        client = redis_client(rt.urls.redis_url, cfg)
+        try:
+            await NotificationDispatcher(bus, client, cfg).run(stopping)
+        finally:
+            await client.aclose()
+            await bus.close()
+
+    return RoleParts(loops=[loop])
