@@ -1,0 +1,20 @@
+"""The notification gateway: SSE (and next, WebSocket) connections fed from Redis Pub/Sub.
+
+Exact resume from PostgreSQL, gap repair, tail checks, heartbeats on a shared wheel, bounded
+per-connection queues and slow-client eviction. See docs/explanation/realtime-gateway.md.
+"""
+
+from aivedio.gateway.auth import StreamTokens, stream_token_routes
+from aivedio.gateway.closecodes import CloseReason
+from aivedio.gateway.config import GatewayConfig
+from aivedio.gateway.gateway import Gateway
+from aivedio.gateway.server import serve_http
+
+__all__ = [
+    "CloseReason",
+    "Gateway",
+    "GatewayConfig",
+    "StreamTokens",
+    "serve_http",
+    "stream_token_routes",
+]

@@ -1,0 +1,36 @@
+"""The gateway's configuration (built by the CLI from ``Settings``; no environment reads here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class GatewayConfig:
+    redis_url: str
+    channel: str = "aivedio:events"  # the broadcast channel the dispatcher publishes to
+    key_prefix: str = "aivedio:gw"  # Redis keys of the connection counters
+    token_secret: bytes = b""  # HMAC key of stream tokens (>= 32 random bytes in production)
+    heartbeat_s: float = 20.0  # `: ping` comment interval, below proxy idle timeouts
+    retry_ms: int = 2000  # the `retry:` hint sent on connect
+    session_cap_s: float = 1800.0  # a connection lives 80-100 % of this, then reconnects
+    recheck_s: float = 5.0  # credentials re-checked (revocation) at this interval
+    tailcheck_s: float = 5.0  # stream heads compared at this interval (and after a reconnect)
+    tailcheck_grace_s: float = 0.5  # a head seen ahead is repaired if still ahead after this
+    replay_cap: int = 1000  # a resume needing more events than this gets `reset`
+    replay_page: int = 500
+    queue_max_events: int = 256  # per connection, while its socket is not writable
+    queue_max_bytes: int = 256 * 1024
+    stall_timeout_s: float = 30.0  # not writable for this long -> `slow`
+    write_high_water: int = 32 * 1024  # asyncio transport buffer limits per connection
+    write_low_water: int = 8 * 1024
+    socket_send_buffer: int | None = None  # SO_SNDBUF per connection (None: the OS default)
+    backlog_max_events: int = 10_000  # live events buffered while one connection replays
+    max_head_bytes: int = 8192
+    head_timeout_s: float = 10.0
+    max_conns_per_user: int = 50
+    max_conns_per_tenant: int = 5000
+    connect_rate_per_s: float = 2000.0  # token bucket of new SSE connections per process
+    connect_burst: int = 4000
+    drain_s: float = 5.0  # shutdown closes connections spread over this many seconds
+    counter_ttl_factor: float = 2.0  # per-user/tenant counter TTL = factor * session cap

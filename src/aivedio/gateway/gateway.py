@@ -1,0 +1,260 @@
+"""The gateway: accepts SSE requests handed over by the HTTP server and runs their lifecycle.
+
+Open: connect rate -> parse -> authenticate (tenant + project) -> per-user/tenant limits ->
+response head + ``retry:`` -> join the project stream (subscribe FIRST) -> read the position ->
+replay or ``reset`` -> live. Close: one log line with reason and duration (seed 004).
+Background: the Redis subscription, the heartbeat wheel, the tail check, credential re-checks,
+batched counter releases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+import uuid
+
+from redis.asyncio import Redis
+
+from aivedio.db.pool import Database
+from aivedio.errors import DatabaseUnavailable
+from aivedio.gateway import frames, metrics
+from aivedio.gateway.auth import Refused, StreamTokens, authenticate
+from aivedio.gateway.closecodes import CloseReason
+from aivedio.gateway.config import GatewayConfig
+from aivedio.gateway.hub import Hub
+from aivedio.gateway.limits import ConnectionCounters, ConnectRate
+from aivedio.gateway.protocol import BadRequest, SseRequest, parse_head
+from aivedio.gateway.resume import resume
+from aivedio.gateway.session import Identity, Session
+from aivedio.gateway.store import EventStore
+from aivedio.gateway.tailcheck import TailCheck
+from aivedio.gateway.timers import Wheel
+from aivedio.gateway.transport import SseTransport
+from aivedio.logs import log
+
+logger = logging.getLogger("aivedio.gateway")
+
+
+class Gateway:
+    def __init__(self, db: Database, config: GatewayConfig, redis: Redis | None = None) -> None:
+        self.config = config
+        self.store = EventStore(db)
+        self.redis = redis if redis is not None else Redis.from_url(config.redis_url)
+        self.tailcheck: TailCheck
+        self.hub = Hub(self.redis, self.store, config, on_subscribed=self._on_subscribed)
+        self.tailcheck = TailCheck(self.hub, self.store, config)
+        self.wheel = Wheel(config.heartbeat_s)
+        self.tokens = StreamTokens(config.token_secret) if config.token_secret else None
+        self.rate = ConnectRate(config.connect_rate_per_s, config.connect_burst)
+        self.counters = ConnectionCounters(
+            self.redis,
+            config.key_prefix,
+            int(config.session_cap_s * config.counter_ttl_factor) + 60,
+            config.max_conns_per_user,
+            config.max_conns_per_tenant,
+        )
+        self.by_key: dict[uuid.UUID, set[Session]] = {}
+        self.uncounted: set[Session] = set()
+        self.draining = False
+        self._opening: set[asyncio.Task[None]] = set()
+        self._stopping = asyncio.Event()
+        self._jobs: list[asyncio.Task[None]] = []
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        for job in (
+            self.hub.run,
+            self.wheel.run,
+            self.tailcheck.run,
+            self._recheck_loop,
+            self.counters.run,
+        ):
+            self._jobs.append(asyncio.create_task(job(self._stopping)))
+
+    async def wait_subscribed(self) -> None:
+        await self.hub.subscribed.wait()
+
+    def _on_subscribed(self) -> None:
+        self.tailcheck.wake()
+
+    async def drain(self) -> None:
+        """Refuse new streams, then close the open ones spread over ``drain_s`` (reconnects of
+        thousands of clients do not arrive at the other nodes all at once)."""
+        self.draining = True
+        sessions = self.hub.sessions()
+        random.shuffle(sessions)
+        steps = max(1, int(self.config.drain_s / 0.1))
+        batch = max(1, -(-len(sessions) // steps))
+        for i in range(0, len(sessions), batch):
+            for session in sessions[i : i + batch]:
+                session.close(CloseReason.SHUTDOWN)
+            if i + batch < len(sessions):
+                await asyncio.sleep(0.1)
+
+    async def close(self) -> None:
+        self._stopping.set()
+        for task in list(self._opening):
+            task.cancel()
+        await asyncio.gather(*self._jobs, *self._opening, return_exceptions=True)
+        await self.counters.flush()
+        self.hub.close()
+        await self.redis.aclose()
+
+    # -- open ----------------------------------------------------------------------------
+
+    def accept(self, transport: SseTransport, head: bytes) -> None:
+        """A complete SSE request head arrived on ``transport`` (synchronous; spawns the open)."""
+        if self.draining:
+            self._refuse(
+                transport, 503, "shutdown", "the gateway is shutting down", {"Retry-After": "1"}
+            )
+            return
+        wait = self.rate.take()
+        if wait > 0:
+            self._refuse(
+                transport,
+                503,
+                "rate_limited",
+                "too many new connections",
+                {"Retry-After": str(max(1, round(wait)))},
+            )
+            return
+        try:
+            req = parse_head(head)
+        except BadRequest as exc:
+            self._refuse(transport, 400, "bad_request", str(exc), {})
+            return
+        task = asyncio.create_task(self._open(transport, req))
+        self._opening.add(task)
+        task.add_done_callback(self._opening.discard)
+
+    def _refuse(
+        self,
+        transport: SseTransport,
+        status: int,
+        code: str,
+        message: str,
+        headers: dict[str, str],
+    ) -> None:
+        metrics.REFUSED.labels(code).inc()
+        transport.reject(status, code, message, headers)
+
+    async def _open(self, transport: SseTransport, req: SseRequest) -> None:
+        session: Session | None = None
+        try:
+            try:
+                identity = await authenticate(self.store, self.tokens, req)
+            except Refused as exc:
+                headers = (
+                    {"WWW-Authenticate": 'Bearer realm="aivedio"'} if exc.status == 401 else {}
+                )
+                self._refuse(transport, exc.status, exc.reason.label, exc.message, headers)
+                return
+            counted = await self.counters.acquire(identity)
+            if isinstance(counted, str):
+                self._refuse(
+                    transport,
+                    429,
+                    "too_many_connections",
+                    f"too many open streams for this {counted}",
+                    {"Retry-After": "5"},
+                )
+                return
+            if not transport.writable:  # the client went away meanwhile
+                if counted is None:
+                    self.counters.release(identity)
+                return
+            session = self._session(transport, req, identity)
+            if counted is False:
+                self.uncounted.add(session)
+            transport.session = session
+            transport.write_many([frames.RESPONSE_HEAD, frames.retry_frame(self.config.retry_ms)])
+            stream, joined_at = await self.hub.join(session)
+            if session.closed is not None:
+                self.hub.leave(session)
+                return
+            self.by_key.setdefault(identity.key_id, set()).add(session)
+            self.wheel.add(session)
+            metrics.CONNECTIONS.labels("sse").inc()
+            metrics.OPENED.labels("sse").inc()
+            position = await self.store.position(req.project_id)
+            if position is None:
+                session.close(CloseReason.FORBIDDEN)
+                return
+            await resume(session, stream, req.cursor, position, joined_at, self.store, self.config)
+        except (DatabaseUnavailable, LookupError, OSError) as exc:
+            log(logger, logging.WARNING, "stream open failed", error=repr(exc))
+            if session is None:
+                self._refuse(transport, 503, "unavailable", "retry later", {"Retry-After": "2"})
+            else:
+                session.close(CloseReason.SERVER_ERROR)
+
+    def _session(self, transport: SseTransport, req: SseRequest, identity: Identity) -> Session:
+        cap = self.config.session_cap_s * random.uniform(0.8, 1.0)
+        return Session(
+            transport,
+            self,
+            self.config,
+            req.project_id,
+            identity,
+            req.task_id,
+            time.monotonic() + cap,
+        )
+
+    # -- close ---------------------------------------------------------------------------
+
+    def forget(self, session: Session, reason: CloseReason) -> None:
+        """Called once per session when it closes, whatever closed it."""
+        self.hub.leave(session)
+        self.wheel.remove(session)
+        sessions = self.by_key.get(session.identity.key_id)
+        registered = sessions is not None and session in sessions
+        if sessions is not None:
+            sessions.discard(session)
+            if not sessions:
+                del self.by_key[session.identity.key_id]
+        if session in self.uncounted:
+            self.uncounted.discard(session)
+        else:
+            self.counters.release(session.identity)
+        if registered:
+            metrics.CONNECTIONS.labels("sse").dec()
+        metrics.CLOSED.labels(reason.label).inc()
+        if reason is CloseReason.SLOW:
+            metrics.SLOW.inc()
+        log(
+            logger,
+            logging.INFO,
+            "stream closed",
+            transport="sse",
+            reason=reason.label,
+            code=reason.code,
+            duration_s=round(time.monotonic() - session.opened_at, 3),
+            project_id=str(session.project_id),
+            user_id=str(session.identity.user_id),
+            last_seq=session.sent,
+        )
+
+    async def _recheck_loop(self, stopping: asyncio.Event) -> None:
+        """Revoked credentials close their streams within ``recheck_s``."""
+        while not stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), self.config.recheck_s)
+            if stopping.is_set() or not self.by_key:
+                continue
+            try:
+                revoked = await self.store.revoked(list(self.by_key))
+            except (DatabaseUnavailable, OSError) as exc:
+                log(logger, logging.WARNING, "credential re-check failed", error=repr(exc))
+                continue
+            for key_id in revoked:
+                for session in list(self.by_key.get(key_id, ())):
+                    session.close(CloseReason.CREDENTIAL_REVOKED)
+
+    @property
+    def connections(self) -> int:
+        return sum(len(s) for s in self.by_key.values())

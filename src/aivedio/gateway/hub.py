@@ -1,0 +1,144 @@
+"""The node's subscriptions: one Redis Pub/Sub subscription, per-project streams, fan-out.
+
+One subscription for the whole node (the broadcast channel): every message is decoded and its
+frame encoded ONCE, then the project's stream hands the same bytes to each of its sessions.
+Redis is at-most-once; the stream's gap repair and the tail check make delivery exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from aivedio.gateway import metrics
+from aivedio.gateway.config import GatewayConfig
+from aivedio.gateway.frames import make_event
+from aivedio.gateway.resume import ProjectStream
+from aivedio.gateway.session import Session
+from aivedio.gateway.store import EventStore
+from aivedio.logs import log
+
+logger = logging.getLogger("aivedio.gateway")
+
+
+def channel_name(prefix: str = "aivedio:events") -> str:
+    """The broadcast channel (the dispatcher publishes every public event there)."""
+    return prefix
+
+
+class Hub:
+    def __init__(
+        self,
+        redis: Redis,
+        store: EventStore,
+        config: GatewayConfig,
+        on_subscribed: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.redis = redis
+        self.store = store
+        self.config = config
+        self.streams: dict[uuid.UUID, ProjectStream] = {}
+        self.on_subscribed = on_subscribed  # the tail check runs right after every (re)subscribe
+        self.subscribed = asyncio.Event()
+
+    # -- sessions --------------------------------------------------------------------------
+
+    async def join(self, session: Session) -> tuple[ProjectStream, int]:
+        """Subscribe a session to its project; returns the stream and its ``last`` at joining.
+
+        From this moment on every event after that ``last`` reaches the session's backlog.
+        """
+        stream = self.streams.get(session.project_id)
+        if stream is None:
+            stream = ProjectStream(session.project_id, self.store, self.config)
+            self.streams[session.project_id] = stream
+            starting = asyncio.ensure_future(stream.start())
+        else:
+            starting = None
+        stream.joining += 1
+        try:
+            if starting is not None:
+                await starting
+            else:
+                await asyncio.shield(stream.ready)
+        except BaseException:
+            stream.joining -= 1
+            self._drop_if_idle(stream)
+            raise
+        stream.joining -= 1
+        stream.sessions.add(session)
+        return stream, stream.last
+
+    def leave(self, session: Session) -> None:
+        stream = self.streams.get(session.project_id)
+        if stream is not None:
+            stream.sessions.discard(session)
+            self._drop_if_idle(stream)
+
+    def _drop_if_idle(self, stream: ProjectStream) -> None:
+        if not stream.sessions and stream.joining == 0:
+            if self.streams.get(stream.project_id) is stream:
+                del self.streams[stream.project_id]
+            stream.close()
+
+    def sessions(self) -> list[Session]:
+        return [s for stream in self.streams.values() for s in stream.sessions]
+
+    # -- Redis -----------------------------------------------------------------------------
+
+    def on_message(self, data: bytes | str) -> None:
+        try:
+            message: dict[str, Any] = json.loads(data)
+            stream = self.streams.get(uuid.UUID(str(message["project_id"])))
+            if stream is None:
+                return
+            epoch, seq = int(message["epoch"]), int(message["seq"])
+            public = dict(message["public"])
+            public.setdefault("task_id", message.get("task_id"))
+            public.setdefault("task_version", message.get("task_version"))
+        except (ValueError, KeyError, TypeError) as exc:
+            log(logger, logging.WARNING, "unreadable pub/sub message", error=repr(exc))
+            return
+        stream.on_live(epoch, make_event(epoch, seq, public))
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Keep one subscription to the channel; after every (re)subscribe, a tail check."""
+        backoff = 0.1
+        while not stopping.is_set():
+            pubsub = self.redis.pubsub()
+            try:
+                await pubsub.subscribe(self.config.channel)
+                while not stopping.is_set():
+                    message = await pubsub.get_message(timeout=1.0)
+                    if message is None:
+                        continue
+                    if message["type"] == "subscribe":
+                        # First subscribe, or redis-py's own reconnect re-subscribed: messages
+                        # may have been lost in between.
+                        metrics.REDIS_RECONNECTS.inc()
+                        self.subscribed.set()
+                        self.on_subscribed()
+                        backoff = 0.1
+                    elif message["type"] == "message":
+                        self.on_message(message["data"])
+            except (RedisError, OSError) as exc:
+                self.subscribed.clear()
+                log(logger, logging.WARNING, "pub/sub connection lost", error=repr(exc))
+                await asyncio.sleep(random.uniform(0, backoff))
+                backoff = min(backoff * 2, 5.0)
+            finally:
+                with contextlib.suppress(RedisError, OSError):
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    def close(self) -> None:
+        for stream in self.streams.values():
+            stream.close()

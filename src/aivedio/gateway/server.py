@@ -1,0 +1,222 @@
+"""One port for the ASGI app and the lean SSE path.
+
+uvicorn accepts a protocol *class* as ``Config(http=...)``. We give it ``SniffingProtocol``: it
+reads the first request head of a connection; ``GET /v1/projects/{id}/events`` becomes an
+``SseTransport`` owned by the gateway (no ASGI, no task per connection), anything else is handed,
+with the bytes already read, to uvicorn's own HTTP protocol (h11 or httptools) built with the same
+config and server state, exactly as uvicorn's ``AutoZttpProtocol`` hands over after sniffing. So
+uvicorn keeps everything it does (signals aside, which the process owns): Date headers, keep-alive,
+graceful shutdown of ASGI connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
+from uvicorn.server import ServerState
+
+from aivedio.gateway import frames
+from aivedio.gateway.gateway import Gateway
+from aivedio.gateway.protocol import PREFIX, is_events_target, request_line
+from aivedio.gateway.transport import SseTransport
+
+
+class SniffingProtocol(asyncio.Protocol):
+    """Per connection: SSE requests to the gateway, everything else to uvicorn's protocol.
+
+    For a connection that carries ASGI requests the sniffer stays in front of uvicorn's protocol
+    as a thin forwarder, because a browser reuses a keep-alive connection: after a snapshot
+    request it may send the SSE request on the same socket. Between two requests (uvicorn's
+    cycle complete, nothing buffered) the next head is sniffed again; an SSE request then
+    detaches uvicorn's protocol and the socket becomes an ``SseTransport``.
+    """
+
+    gateway: Gateway
+    inner_class: type[asyncio.Protocol] = AutoHTTPProtocol
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        self.config = config
+        self.server_state = server_state
+        self.app_state = app_state
+        self.loop = _loop or asyncio.get_event_loop()
+        self.transport: asyncio.Transport | None = None
+        self.inner: Any = None  # uvicorn's protocol, once a request went to the ASGI app
+        self.buffer = b""
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.timer = self.loop.call_later(self.gateway.config.head_timeout_s, transport.close)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop_timer()
+        if self.inner is not None:
+            self.inner.connection_lost(exc)
+
+    def eof_received(self) -> bool | None:
+        if self.inner is not None:
+            result: bool | None = self.inner.eof_received()
+            return result
+        return None
+
+    def pause_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+    def data_received(self, data: bytes) -> None:
+        if self.inner is not None and not self.buffer and not self._inner_idle():
+            self.inner.data_received(data)  # the body or pipelined bytes of a request in flight
+            return
+        self.buffer += data
+        buffer = self.buffer
+        if not buffer.startswith(PREFIX[: len(buffer)]):
+            self._to_asgi()  # not a GET on /v1/projects/...: decided by the first bytes
+            return
+        line = request_line(buffer)
+        if line is None:
+            if len(buffer) > self.gateway.config.max_head_bytes:
+                self._to_asgi()
+            return
+        if not is_events_target(line[1]):
+            self._to_asgi()
+            return
+        end = buffer.find(b"\r\n\r\n")
+        if end < 0:
+            if len(buffer) > self.gateway.config.max_head_bytes:
+                self._reject_head()
+            return
+        self._to_gateway(buffer[: end + 4])
+
+    def _inner_idle(self) -> bool:
+        """uvicorn's protocol is between requests: the next bytes start a new request."""
+        cycle = getattr(self.inner, "cycle", None)
+        if cycle is not None and (not cycle.response_complete or cycle.more_body):
+            return False
+        conn = getattr(self.inner, "conn", None)  # the h11 implementation
+        if conn is not None and hasattr(conn, "their_state"):
+            return bool(conn.their_state is h11.IDLE and conn.our_state is h11.IDLE)
+        return True
+
+    def _stop_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _to_asgi(self) -> None:
+        self._stop_timer()
+        assert self.transport is not None
+        if self.inner is None:
+            self.inner = self.inner_class(  # type: ignore[call-arg]
+                config=self.config,
+                server_state=self.server_state,
+                app_state=self.app_state,
+                _loop=self.loop,
+            )
+            self.inner.connection_made(self.transport)
+        buffer, self.buffer = self.buffer, b""
+        self.inner.data_received(buffer)
+
+    def _detach_inner(self) -> None:
+        inner, self.inner = self.inner, None
+        if inner is None:
+            return
+        keep_alive = getattr(inner, "timeout_keep_alive_task", None)
+        if keep_alive is not None:
+            keep_alive.cancel()  # it would close the socket the stream now owns
+            inner.timeout_keep_alive_task = None
+        self.server_state.connections.discard(inner)
+
+    def _to_gateway(self, head: bytes) -> None:
+        self._stop_timer()
+        self._detach_inner()
+        assert self.transport is not None
+        config = self.gateway.config
+        if config.socket_send_buffer is not None:
+            sock = self.transport.get_extra_info("socket")
+            if sock is not None:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, config.socket_send_buffer)
+        sse = SseTransport(self.transport, config.write_high_water, config.write_low_water)
+        self.transport.set_protocol(sse)
+        self.buffer = b""
+        self.gateway.accept(sse, head)
+
+    def _reject_head(self) -> None:
+        self._stop_timer()
+        assert self.transport is not None
+        self.transport.write(
+            frames.error_response(431, "bad_request", "the request head is too large", {})
+        )
+        self.transport.close()
+
+
+def protocol_class(gateway: Gateway) -> type[SniffingProtocol]:
+    """A ``SniffingProtocol`` bound to ``gateway``, to pass as ``uvicorn.Config(http=...)``."""
+    return type("GatewaySniffingProtocol", (SniffingProtocol,), {"gateway": gateway})
+
+
+class _Server(uvicorn.Server):
+    """Leaves signal handling to the process (several roles share one loop)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def http_config(app: Any, host: str, port: int, gateway: Gateway | None) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        http=protocol_class(gateway) if gateway is not None else "auto",
+        lifespan="off",
+        access_log=False,
+        log_config=None,
+        timeout_graceful_shutdown=10,
+    )
+
+
+async def serve_http(
+    app: Any, host: str, port: int, gateway: Gateway | None, stopping: asyncio.Event
+) -> None:
+    """Serve ``app`` and the gateway's SSE path on one port until ``stopping`` is set.
+
+    Starts the gateway's background work first; on stop, drains its streams (closing them with
+    ``shutdown``, spread over ``drain_s``) before uvicorn's own graceful shutdown.
+    """
+    server = _Server(http_config(app, host, port, gateway))
+    if gateway is not None:
+        await gateway.start()
+    serving = asyncio.create_task(server.serve())
+    stop = asyncio.create_task(stopping.wait())
+    try:
+        await asyncio.wait({serving, stop}, return_when=asyncio.FIRST_COMPLETED)
+        if gateway is not None:
+            await gateway.drain()
+        server.should_exit = True
+        await serving
+    finally:
+        stop.cancel()
+        if not serving.done():
+            server.should_exit = True
+            with contextlib.suppress(asyncio.CancelledError):
+                await serving
+        if gateway is not None:
+            await gateway.close()

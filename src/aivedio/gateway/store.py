@@ -1,0 +1,90 @@
+"""The gateway's reads from PostgreSQL (the source of truth for every event it delivers)."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aivedio.db.pool import Database
+from aivedio.gateway.frames import Event, make_event
+
+POSITION = "SELECT epoch, head, floor FROM event_streams WHERE project_id = $1"
+
+HEADS = """
+SELECT project_id, epoch, head, floor FROM event_streams WHERE project_id = ANY($1::uuid[])
+"""
+
+EVENTS = """
+SELECT seq, public_payload FROM task_events
+WHERE project_id = $1 AND epoch = $2 AND seq > $3 AND seq <= $4
+ORDER BY seq
+LIMIT $5
+"""
+
+KEY_PRINCIPAL = """
+SELECT id, tenant_id, user_id FROM api_keys WHERE key_hash = $1 AND revoked_at IS NULL
+"""
+
+PROJECT_TENANT = "SELECT tenant_id FROM projects WHERE id = $1"
+
+REVOKED_KEYS = """
+SELECT id FROM api_keys WHERE id = ANY($1::uuid[]) AND revoked_at IS NOT NULL
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Position:
+    epoch: int
+    head: int
+    floor: int
+
+
+class EventStore:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def position(self, project_id: uuid.UUID) -> Position | None:
+        async with self.db.connection() as conn:
+            row = await conn.fetchrow(POSITION, project_id)
+        return Position(row["epoch"], row["head"], row["floor"]) if row is not None else None
+
+    async def positions(self, project_ids: list[uuid.UUID]) -> dict[uuid.UUID, Position]:
+        """All heads in one query (the tail check)."""
+        async with self.db.connection() as conn:
+            rows = await conn.fetch(HEADS, project_ids)
+        return {r["project_id"]: Position(r["epoch"], r["head"], r["floor"]) for r in rows}
+
+    async def events(
+        self, project_id: uuid.UUID, epoch: int, after: int, upto: int, limit: int
+    ) -> list[Event]:
+        """Events ``after < seq <= upto`` in seq order, at most ``limit``."""
+        async with self.db.connection() as conn:
+            rows = await conn.fetch(EVENTS, project_id, epoch, after, upto, limit)
+        return [make_event(epoch, r["seq"], _payload(r["public_payload"])) for r in rows]
+
+    async def key_principal(self, key_hash: bytes) -> tuple[uuid.UUID, uuid.UUID, uuid.UUID] | None:
+        """``(key_id, tenant_id, user_id)`` of a valid (unrevoked) API key."""
+        async with self.db.connection() as conn:
+            row = await conn.fetchrow(KEY_PRINCIPAL, key_hash)
+        return (row["id"], row["tenant_id"], row["user_id"]) if row is not None else None
+
+    async def project_tenant(self, project_id: uuid.UUID) -> uuid.UUID | None:
+        async with self.db.connection() as conn:
+            tenant: uuid.UUID | None = await conn.fetchval(PROJECT_TENANT, project_id)
+        return tenant
+
+    async def revoked(self, key_ids: list[uuid.UUID]) -> set[uuid.UUID]:
+        async with self.db.connection() as conn:
+            rows = await conn.fetch(REVOKED_KEYS, key_ids)
+        return {r["id"] for r in rows}
+
+
+def _payload(value: Any) -> dict[str, Any]:
+    if isinstance(value, dict):
+        return value
+    import json
+
+    loaded = json.loads(value)
+    assert isinstance(loaded, dict)
+    return loaded

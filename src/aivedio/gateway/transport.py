@@ -1,0 +1,131 @@
+"""``Transport``: what a session writes to. SSE here; WebSocket is the second implementation.
+
+A transport is deliberately small: write one pre-encoded frame, write many, close with a named
+reason, say whether the socket is writable. The session logic (ordering, filtering, queueing)
+lives in ``session.py`` and is tested against ``RecordingTransport`` without sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from aivedio.gateway import frames
+from aivedio.gateway.closecodes import CloseReason
+from aivedio.gateway.frames import Event
+
+if TYPE_CHECKING:
+    from aivedio.gateway.session import Session
+
+
+class Transport(Protocol):
+    @property
+    def writable(self) -> bool: ...
+
+    def frame_of(self, event: Event) -> bytes: ...
+
+    def write(self, frame: bytes) -> None: ...
+
+    def write_many(self, frames: Sequence[bytes]) -> None: ...
+
+    def close(self, reason: CloseReason) -> None: ...
+
+
+class SseTransport(asyncio.Protocol):
+    """One SSE connection: an asyncio protocol with small buffers, no task of its own."""
+
+    __slots__ = ("_closed", "_paused", "session", "transport")
+
+    def __init__(self, transport: asyncio.Transport, high_water: int, low_water: int) -> None:
+        self.transport = transport
+        self.session: Session | None = None
+        self._paused = False
+        self._closed = False
+        transport.set_write_buffer_limits(high=high_water, low=low_water)
+
+    # -- asyncio.Protocol (the sniffer calls connection_made before handing over) ---------
+
+    def data_received(self, data: bytes) -> None:
+        """A client sends nothing after its request head; bytes are ignored."""
+
+    def eof_received(self) -> bool:
+        return False  # the client half-closed: close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        session, self.session = self.session, None
+        if session is not None:
+            session.on_lost()
+
+    def pause_writing(self) -> None:
+        self._paused = True
+        if self.session is not None:
+            self.session.on_paused()
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self.session is not None:
+            self.session.on_writable()
+
+    # -- Transport -----------------------------------------------------------------------
+
+    @property
+    def writable(self) -> bool:
+        return not self._paused and not self._closed
+
+    def frame_of(self, event: Event) -> bytes:
+        return event.frame
+
+    def write(self, frame: bytes) -> None:
+        if not self._closed:
+            self.transport.write(frame)
+
+    def write_many(self, frames: Sequence[bytes]) -> None:
+        if not self._closed and frames:
+            self.transport.writelines(frames)
+
+    def close(self, reason: CloseReason) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.session = None
+        if reason is CloseReason.CLIENT_GONE:
+            self.transport.abort()
+            return
+        self.transport.write(frames.close_frame(reason.code, reason.label, reason.reconnect))
+        if reason is CloseReason.SLOW:
+            self.transport.abort()  # its buffer is full: waiting for it to drain would never end
+        else:
+            self.transport.close()
+
+    def reject(self, status: int, code: str, message: str, headers: dict[str, str]) -> None:
+        """Answer a plain HTTP error before the stream started, and close."""
+        if not self._closed:
+            self._closed = True
+            self.transport.write(frames.error_response(status, code, message, headers))
+            self.transport.close()
+
+
+class RecordingTransport:
+    """A fake that records what was written; ``writable`` is settable (unit tests)."""
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+        self.closed: CloseReason | None = None
+        self.writable = True
+
+    def frame_of(self, event: Event) -> bytes:
+        return event.frame
+
+    def write(self, frame: bytes) -> None:
+        assert self.closed is None
+        self.frames.append(frame)
+
+    def write_many(self, frames: Sequence[bytes]) -> None:
+        for frame in frames:
+            self.write(frame)
+
+    def close(self, reason: CloseReason) -> None:
+        if self.closed is None:
+            self.closed = reason
