@@ -349,3 +349,48 @@ def test_failed_without_code_gets_the_generic_public_code() -> None:
 def test_progress_outside_0_100_is_refused_at_construction() -> None:
     with pytest.raises(ValueError, match="progress"):
         prov(ProviderStatus.RUNNING, progress=101)
+
+
+# -- cancel confirmed by the platform (an attempt that never reached the provider) -------------
+
+
+def test_platform_cancel_confirmation_cancels_a_cancel_requested_task() -> None:
+    d = decide(task(Status.CANCEL_REQUESTED), attempt(), plat(PlatformKind.CANCEL_CONFIRMED), T0)
+    assert d.applied
+    assert d.change is not None
+    assert (d.change.status, d.change.stage, d.change.error_code) == (
+        Status.CANCELED,
+        Stage.DONE,
+        None,
+    )
+
+
+@pytest.mark.parametrize("status", [Status.CREATED, Status.SUBMITTED, Status.RUNNING])
+def test_platform_cancel_confirmation_needs_a_cancel_request(status: Status) -> None:
+    d = decide(task(status), attempt(), plat(PlatformKind.CANCEL_CONFIRMED), T0)
+    assert (d.outcome, d.reason) == (Outcome.IGNORED, Reason.ILLEGAL_TRANSITION)
+
+
+def test_platform_cancel_confirmation_is_refused_once_the_provider_reported() -> None:
+    d = decide(
+        task(Status.CANCEL_REQUESTED),
+        attempt(ProviderStatus.RUNNING, 2),
+        plat(PlatformKind.CANCEL_CONFIRMED),
+        T0,
+    )
+    assert (d.outcome, d.reason) == (Outcome.IGNORED, Reason.ILLEGAL_TRANSITION)
+
+
+@pytest.mark.parametrize(
+    ("status", "reason"),
+    [
+        (Status.CANCELED, Reason.NO_CHANGE),
+        (Status.FAILED, Reason.AFTER_TERMINAL),
+        (Status.READY, Reason.AFTER_TERMINAL),
+    ],
+)
+def test_platform_cancel_confirmation_never_contradicts_a_terminal(
+    status: Status, reason: Reason
+) -> None:
+    d = decide(task(status), attempt(), plat(PlatformKind.CANCEL_CONFIRMED), T0)
+    assert (d.outcome, d.reason, d.reconcile) == (Outcome.IGNORED, reason, None)

@@ -340,3 +340,74 @@ SELECT tenant_id,
        count(*) AS entries
 FROM credit_ledger
 GROUP BY tenant_id;
+
+-- Submit / cancel intents and reconcile checks (migration 0007); see the migration for notes.
+CREATE TABLE submit_intents (
+    attempt_id       UUID        PRIMARY KEY REFERENCES task_attempts (id),
+    task_id          UUID        NOT NULL REFERENCES generation_tasks (id),
+    state            TEXT        NOT NULL DEFAULT 'pending',
+    tries            INTEGER     NOT NULL DEFAULT 0,
+    maybe_sent       BOOLEAN     NOT NULL DEFAULT false,
+    next_attempt_at  TIMESTAMPTZ NOT NULL DEFAULT now(),
+    lease_until      TIMESTAMPTZ,
+    lease_token      UUID,
+    last_error_code  TEXT,
+    unknown_at       TIMESTAMPTZ,
+    lookups          INTEGER     NOT NULL DEFAULT 0,
+    created_at       TIMESTAMPTZ NOT NULL DEFAULT now(),
+    updated_at       TIMESTAMPTZ NOT NULL DEFAULT now(),
+    CONSTRAINT ck_submit_intent_state CHECK (state IN (
+        'pending', 'sending', 'accepted', 'unknown', 'rejected', 'canceled')),
+    CONSTRAINT ck_submit_intent_tries CHECK (tries >= 0)
+);
+
+CREATE INDEX idx_submit_intents_due ON submit_intents (next_attempt_at)
+    WHERE state IN ('pending', 'sending');
+
+CREATE INDEX idx_submit_intents_unknown ON submit_intents (next_attempt_at)
+    WHERE state = 'unknown';
+
+-- cancel_intents: written with the cancel_requested version (tasks.sql insert_cancel_intent).
+--   state   pending -> sending (leased) -> done (result: accepted | already_terminal | local |
+--           moot) | failed (the provider refused the cancel; polling still finds the outcome)
+CREATE TABLE cancel_intents (
+    attempt_id       UUID        PRIMARY KEY REFERENCES task_attempts (id),
+    task_id          UUID        NOT NULL REFERENCES generation_tasks (id),
+    state            TEXT        NOT NULL DEFAULT 'pending',
+    result           TEXT,
+    tries            INTEGER     NOT NULL DEFAULT 0,
+    next_attempt_at  TIMESTAMPTZ NOT NULL DEFAULT now(),
+    lease_until      TIMESTAMPTZ,
+    lease_token      UUID,
+    last_error_code  TEXT,
+    trace_id         TEXT,
+    created_at       TIMESTAMPTZ NOT NULL DEFAULT now(),
+    updated_at       TIMESTAMPTZ NOT NULL DEFAULT now(),
+    CONSTRAINT ck_cancel_intent_state CHECK (state IN ('pending', 'sending', 'done', 'failed')),
+    CONSTRAINT ck_cancel_intent_tries CHECK (tries >= 0)
+);
+
+CREATE INDEX idx_cancel_intents_due ON cancel_intents (next_attempt_at)
+    WHERE state IN ('pending', 'sending');
+
+-- When the reconciler last queried an overdue attempt (so it asks each one at most once per
+-- check interval, whatever the number of replicas).
+CREATE TABLE reconcile_checks (
+    attempt_id   UUID        PRIMARY KEY REFERENCES task_attempts (id),
+    checked_at   TIMESTAMPTZ NOT NULL,
+    checks       INTEGER     NOT NULL DEFAULT 1,
+    last_result  TEXT
+);
+
+-- Poller bookkeeping on attempts and the due index (migration 0006); see the migration for notes.
+ALTER TABLE task_attempts
+    ADD COLUMN poll_lease_token  UUID,
+    ADD COLUMN poll_unchanged    INTEGER     NOT NULL DEFAULT 0,
+    ADD COLUMN poll_interval_s   REAL,
+    ADD COLUMN poll_started_at   TIMESTAMPTZ,
+    ADD COLUMN polled_at         TIMESTAMPTZ,
+    ADD COLUMN poll_error        TEXT,
+    ADD COLUMN poll_error_sample TEXT;
+
+CREATE INDEX idx_attempts_poll_due ON task_attempts (next_poll_at)
+    WHERE next_poll_at IS NOT NULL AND provider_task_id IS NOT NULL;

@@ -58,6 +58,9 @@ class PlatformKind(StrEnum):
     SUBMIT_REJECTED = "submit_rejected"
     STATUS_UNKNOWN = "status_unknown"
     CANCEL_REQUESTED = "cancel_requested"
+    # The platform confirms a cancel itself: the attempt has no job at the provider (its submit
+    # was never sent, or the provider refused it), so no provider confirmation will come.
+    CANCEL_CONFIRMED = "cancel_confirmed"
     MEDIA_STAGE = "media_stage"
     MEDIA_READY = "media_ready"
     MEDIA_FAILED = "media_failed"

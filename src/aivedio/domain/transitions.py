@@ -160,6 +160,7 @@ _PLATFORM_TARGET: dict[PlatformKind, Status] = {
     PlatformKind.SUBMIT_REJECTED: Status.FAILED,
     PlatformKind.STATUS_UNKNOWN: Status.STATUS_UNKNOWN,
     PlatformKind.CANCEL_REQUESTED: Status.CANCEL_REQUESTED,
+    PlatformKind.CANCEL_CONFIRMED: Status.CANCELED,
     PlatformKind.MEDIA_STAGE: Status.PROCESSING_MEDIA,
     PlatformKind.MEDIA_READY: Status.READY,
     PlatformKind.MEDIA_FAILED: Status.FAILED,
@@ -174,6 +175,7 @@ _PLATFORM_FROM: dict[PlatformKind, frozenset[Status]] = {
         {Status.SUBMITTED, Status.PROVIDER_QUEUED, Status.RUNNING, Status.SUBMIT_UNKNOWN}
     ),
     PlatformKind.CANCEL_REQUESTED: CANCELABLE,
+    PlatformKind.CANCEL_CONFIRMED: frozenset({Status.CANCEL_REQUESTED}),
     PlatformKind.MEDIA_STAGE: frozenset({Status.PROVIDER_SUCCEEDED, Status.PROCESSING_MEDIA}),
     PlatformKind.MEDIA_READY: frozenset({Status.PROVIDER_SUCCEEDED, Status.PROCESSING_MEDIA}),
     PlatformKind.MEDIA_FAILED: frozenset({Status.PROVIDER_SUCCEEDED, Status.PROCESSING_MEDIA}),
@@ -215,6 +217,15 @@ def decide(
         )
     if isinstance(obs, ProviderObservation):
         return _decide_provider(task, attempt, obs, now, policy)
+    if obs.kind is PlatformKind.CANCEL_CONFIRMED:
+        # Only for an attempt the provider never reported on; never a contradiction of a
+        # terminal the task already reached (that terminal simply stands).
+        if attempt.provider_status is not None:
+            return _ignored(Reason.ILLEGAL_TRANSITION)
+        if STATUS_TABLE[task.status].terminal:
+            return _ignored(
+                Reason.NO_CHANGE if task.status is Status.CANCELED else Reason.AFTER_TERMINAL
+            )
     return _decide_platform(task, obs, now, policy)
 
 

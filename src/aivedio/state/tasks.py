@@ -211,7 +211,7 @@ class TaskStore:
                     f"a task in status {STATUS_TABLE[status].public} cannot be canceled",
                 )
             if status is not Status.CANCEL_REQUESTED:
-                await self.state.apply_in(
+                applied = await self.state.apply_in(
                     conn,
                     PlatformObservation(
                         kind=PlatformKind.CANCEL_REQUESTED,
@@ -220,6 +220,10 @@ class TaskStore:
                         trace_id=trace_id,
                     ),
                 )
+                if applied.event is not None:  # the cancel worker takes it from here
+                    await conn.execute(
+                        q("insert_cancel_intent"), row["attempt_id"], task_id, trace_id
+                    )
         return await self.snapshot(principal, project_id, task_id)
 
     async def retry(

@@ -18,8 +18,21 @@ INSERT INTO generation_tasks (id, tenant_id, project_id, user_id, provider, mode
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8::jsonb, 'created', 'submitting', 0, $9, $10)
 
 -- name: insert_attempt
-INSERT INTO task_attempts (id, task_id, attempt_no, provider, model, client_request_id, reason)
-VALUES ($1, $2, $3, $4, $5, $6, $7)
+-- The attempt and its submit intent in one statement: no attempt exists that the submitter
+-- would not send (migration 0007).
+WITH attempt AS (
+    INSERT INTO task_attempts (id, task_id, attempt_no, provider, model, client_request_id,
+                               reason)
+    VALUES ($1, $2, $3, $4, $5, $6, $7)
+    RETURNING id, task_id
+)
+INSERT INTO submit_intents (attempt_id, task_id)
+SELECT id, task_id FROM attempt
+
+-- name: insert_cancel_intent
+-- Written with the cancel_requested version; the cancel worker calls the provider.
+INSERT INTO cancel_intents (attempt_id, task_id, trace_id) VALUES ($1, $2, $3)
+ON CONFLICT (attempt_id) DO NOTHING
 
 -- name: switch_attempt
 UPDATE generation_tasks SET current_attempt_id = $2 WHERE id = $1

@@ -1,0 +1,1 @@
+"""The reconciler role and the operator's reconciliation queue (``aivedio reconcile``)."""

@@ -1,0 +1,1 @@
+"""Outbound commands to providers: the submitter, the cancel worker, the audited resubmit."""
