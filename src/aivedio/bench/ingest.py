@@ -26,6 +26,7 @@ import base64
 import contextlib
 import hashlib
 import hmac
+import importlib.util
 import json
 import os
 import re
@@ -77,6 +78,8 @@ class IngestOptions:
     """Group commit: how long a batch that is not full waits for more rows."""
     max_batch: int = 512
     pool_size: int = 4
+    http: str = "auto"
+    """uvicorn's HTTP parser: auto (httptools when installed, else h11), h11, httptools."""
 
 
 # --- the load generator (runs in its own process) -----------------------------------------------
@@ -301,7 +304,7 @@ async def _server(url: str, opts: IngestOptions) -> Any:
     port = _free_port()
     config = uvicorn.Config(
         app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
-        lifespan="off", backlog=4096,
+        lifespan="off", backlog=4096, http=opts.http,
     )  # fmt: skip
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
@@ -380,6 +383,12 @@ async def _main(settings: Settings, opts: IngestOptions) -> dict[str, Any]:
     }
 
 
+def _http_impl(choice: str) -> str:
+    if choice != "auto":
+        return choice
+    return "httptools" if importlib.util.find_spec("httptools") else "h11"
+
+
 def run(settings: Settings, options: Mapping[str, str]) -> int:
     opts = build_options(IngestOptions, options)
     if opts.seconds <= 0 or opts.connections <= 0:
@@ -419,6 +428,7 @@ def run(settings: Settings, options: Mapping[str, str]) -> int:
             "half_rate_p99_ms": rounded(half.p99_ms),
             "pgbench_tps": {str(c): rounded(t, 1) for c, t in r["pgbench"].items()},
             "connections": opts.connections,
+            "http": _http_impl(opts.http),
             "stored_rows": r["stored"],
             "answered_204": r["accepted"],
         }
