@@ -15,13 +15,15 @@ if TYPE_CHECKING:
     from aivedio.runtime import Runtime
 
 
-async def billing_role(rt: Runtime, config: BillingConfig | None = None) -> RoleParts:
+async def billing_role(
+    rt: Runtime, config: BillingConfig | None = None, bus_config: BusConfig | None = None
+) -> RoleParts:
     from aivedio.roles import RoleParts  # the runner imports this module: no import cycle
 
     consumer = BillingConsumer(rt.db, config or BillingConfig())
 
     async def consume(stopping: asyncio.Event) -> None:
-        bus = await JetStreamBus.connect(BusConfig(url=rt.urls.nats_url))
+        bus = await JetStreamBus.connect(bus_config or BusConfig(url=rt.urls.nats_url))
         try:
             await consumer.run(bus, stopping)
         finally:

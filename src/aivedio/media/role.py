@@ -11,11 +11,13 @@ import asyncio
 from typing import TYPE_CHECKING
 
 import httpx
+from starlette.routing import BaseRoute
 
 from aivedio.bus.jetstream import JetStreamBus
 from aivedio.bus.port import BusConfig
 from aivedio.media.config import MediaConfig
 from aivedio.media.consumer import MediaConsumer
+from aivedio.media.playback import PlaybackConfig, playback_routes
 from aivedio.media.sandbox_locator import SandboxLocatorConfig, SandboxOutputLocator
 from aivedio.media.worker import MediaWorker
 from aivedio.storage.filesystem import FileSystemObjectStore, FileSystemStoreConfig
@@ -25,15 +27,17 @@ if TYPE_CHECKING:
     from aivedio.runtime import Runtime
 
 
-async def media_role(rt: Runtime, config: MediaConfig | None = None) -> RoleParts:
+async def media_role(
+    rt: Runtime, config: MediaConfig | None = None, bus_config: BusConfig | None = None
+) -> RoleParts:
     from aivedio.roles import RoleParts  # the runner imports this module: no import cycle
 
     config = config or MediaConfig()
     settings = rt.settings
-    store = FileSystemObjectStore(FileSystemStoreConfig(root=settings.data_dir / "media"))
+    store = media_store(rt)
 
     async def consume(stopping: asyncio.Event) -> None:
-        bus = await JetStreamBus.connect(BusConfig(url=rt.urls.nats_url))
+        bus = await JetStreamBus.connect(bus_config or BusConfig(url=rt.urls.nats_url))
         try:
             await MediaConsumer(rt.db, config).run(bus, stopping)
         finally:
@@ -48,3 +52,15 @@ async def media_role(rt: Runtime, config: MediaConfig | None = None) -> RolePart
             await worker.run(stopping)
 
     return RoleParts(loops=[consume, work])
+
+
+def media_store(rt: Runtime) -> FileSystemObjectStore:
+    """The object store every media role and the API share (``<data_dir>/media``)."""
+    return FileSystemObjectStore(FileSystemStoreConfig(root=rt.settings.data_dir / "media"))
+
+
+def playback_routes_for(rt: Runtime, ttl_s: int = 300) -> list[BaseRoute]:
+    """The playback routes for the ``api`` role: ``RoleParts(routes=playback_routes_for(rt))``.
+    The signing key is derived from the master secret for this purpose only."""
+    config = PlaybackConfig(secret=rt.settings.derived_secret("media-playback"), ttl_s=ttl_s)
+    return playback_routes(rt.db, media_store(rt), config)
