@@ -50,8 +50,17 @@ WITH stream AS (
     WHERE id = $3 AND version = $5 - 1
     RETURNING id
 ), attempt AS (
+    -- A webhook that changed something pushes the attempt's next poll out by the poller's
+    -- WEBHOOK_PUSH_S (aivedio.polling.policy; a test keeps the two equal); a finished task's
+    -- attempt is not polled again.
     UPDATE task_attempts
-    SET provider_status = $19, last_provider_seq = $20, last_provider_at = $21, updated_at = now()
+    SET provider_status = $19, last_provider_seq = $20, last_provider_at = $21, updated_at = now(),
+        next_poll_at = CASE
+            WHEN $16::boolean THEN NULL
+            WHEN $7 = 'webhook' AND next_poll_at IS NOT NULL
+                THEN GREATEST(next_poll_at, now() + interval '30 seconds')
+            ELSE next_poll_at
+        END
     WHERE id = $4 AND $18::boolean
     RETURNING id
 ), outbox AS (

@@ -1,0 +1,594 @@
+"""The poll scheduler and its workers (seed §12.6.2, §12.12.2).
+
+One loop per process claims due attempts from PostgreSQL (``FOR UPDATE SKIP LOCKED`` plus a
+lease fenced by a token, so any number of replicas run side by side), takes rate-limit tokens
+for them (four levels, all or none), and starts one query task per granted attempt, at most
+``concurrency`` at once. A query's answer goes through ``StateService.apply_in`` with
+``Source.POLL`` (the same path as a webhook) and the next due time, the counters and the end of
+the lease are written in the same transaction. Attempts that got no token or whose provider's
+breaker is open are given back with a short lease and keep their ``next_poll_at``, hence their
+place in the queue; the loop then sleeps for the limiter's wait hint instead of spinning.
+
+Intervals come from the pure :mod:`aivedio.polling.policy`, stretched by the ratio of the poll
+demand in flight (re-read every ``stretch_refresh_s``) to the rate limits, so the scheduler
+targets intervals it can keep. A query failure never fails a task: after N consecutive ones the
+task becomes ``status_unknown``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import asyncpg
+import redis.asyncio as aioredis
+from prometheus_client import Counter, Gauge, Histogram
+
+from aivedio.db.pool import Database
+from aivedio.db.queries import q
+from aivedio.domain.observation import PlatformKind, PlatformObservation, ProviderStatus, Source
+from aivedio.domain.statuses import STATUS_TABLE, Status
+from aivedio.errors import DatabaseUnavailable
+from aivedio.logs import log
+from aivedio.polling.config import PollerConfig
+from aivedio.polling.policy import (
+    AttemptFacts,
+    Breaker,
+    BreakerState,
+    Outcome,
+    PollDecision,
+    after_failure,
+    after_success,
+    scheduled_delay,
+    stretch_factor,
+)
+from aivedio.polling.ratelimit import RateLimiter, Scope, watched
+from aivedio.providers.base import (
+    AuthFailed,
+    JobState,
+    MalformedResponse,
+    NotFoundYet,
+    ProviderAdapter,
+    ProviderError,
+    ProviderUnavailable,
+    RateLimited,
+    sample_of,
+)
+from aivedio.state.service import StateService
+
+logger = logging.getLogger("aivedio.polling")
+
+QUERIES = Counter(
+    "aivedio_poll_queries_total", "Provider queries by the poller", ["provider", "outcome"]
+)
+LAG = Histogram(
+    "aivedio_poll_lag_seconds",
+    "How late a claimed attempt was (claim time - next_poll_at)",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+)
+BREAKER = Gauge("aivedio_poll_breaker_state", "0 closed, 1 half-open, 2 open", ["kind", "name"])
+STRETCH = Gauge(
+    "aivedio_poll_stretch",
+    "Interval stretch forced by the rate limits (max over scopes)",
+    ["provider"],
+)
+ALERTS = Counter("aivedio_poll_alerts_total", "Poller alerts", ["provider", "alert"])
+LEASES_LOST = Counter("aivedio_poll_leases_lost_total", "Results dropped: the lease had lapsed")
+RELEASED = Counter(
+    "aivedio_poll_released_total", "Claimed attempts given back unqueried", ["reason"]
+)
+
+_BREAKER_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
+
+# Statuses whose attempts the poller queries: those the provider may still change, and
+# ``created`` (a submitter that recorded the provider task id before its accept was applied).
+POLLED_STATUSES: tuple[str, ...] = tuple(
+    [str(s) for s, row in STATUS_TABLE.items() if row.provider_active] + [str(Status.CREATED)]
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """One claimed attempt, as ``poll_claim`` returned it."""
+
+    attempt_id: uuid.UUID
+    task_id: uuid.UUID
+    project_id: uuid.UUID
+    status: Status
+    provider: str
+    provider_task_id: str
+    provider_status: ProviderStatus | None
+    last_seq: int | None
+    failures: int
+    unchanged: int
+    token: uuid.UUID
+    age_s: float
+    lag_s: float
+    scope: Scope
+
+    @classmethod
+    def of(cls, row: asyncpg.Record) -> Claimed:
+        status = row["provider_status"]
+        return cls(
+            attempt_id=row["id"],
+            task_id=row["task_id"],
+            project_id=row["project_id"],
+            status=Status(row["status"]),
+            provider=row["provider"],
+            provider_task_id=row["provider_task_id"],
+            provider_status=ProviderStatus(status) if status is not None else None,
+            last_seq=row["last_provider_seq"],
+            failures=row["poll_failures"],
+            unchanged=row["poll_unchanged"],
+            token=row["poll_lease_token"],
+            age_s=max(0.0, row["age_s"] or 0.0),
+            lag_s=row["lag_s"] or 0.0,
+            scope=Scope(row["provider"], row["model"], str(row["tenant_id"])),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class PollRecord:
+    """One query, for benchmarks and tests (``on_poll``). Times are ``time.time()``."""
+
+    attempt_id: uuid.UUID
+    replica: str
+    sent_at: float
+    answered_at: float
+    outcome: Outcome
+    delay_s: float | None
+    """The interval the scheduler targeted for the next poll; None once polling stopped or
+    when the lease had been lost."""
+    nominal_s: float
+    stretch: float
+    lag_s: float
+
+
+@dataclass(slots=True)
+class PollerStats:
+    claims: int = 0
+    claimed: int = 0
+    polls: int = 0
+    released: int = 0
+    stopped: int = 0
+    statements: int = 0
+    applied: int = 0
+    skipped: int = 0
+    leases_lost: int = 0
+    outcomes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+
+class Poller:
+    """One poller replica: a claim loop and up to ``concurrency`` queries in flight."""
+
+    def __init__(
+        self,
+        db: Database,
+        state: StateService,
+        adapters: Mapping[str, ProviderAdapter],
+        limiter: RateLimiter,
+        config: PollerConfig | None = None,
+        *,
+        redis: aioredis.Redis | None = None,
+        rand: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        name: str | None = None,
+        on_poll: Callable[[PollRecord], None] | None = None,
+        credentials: Mapping[str, str] | None = None,
+    ) -> None:
+        self.db = db
+        self.state = state
+        self.adapters = dict(adapters)
+        self.limiter = limiter
+        self.config = config or PollerConfig()
+        self.redis = redis
+        self.rand = rand or random.Random()
+        self.clock = clock
+        self.name = name or uuid.uuid4().hex[:8]
+        self.on_poll = on_poll
+        self.credentials = dict(credentials or {})
+        self.stats = PollerStats()
+        self.breakers: dict[tuple[str, str], Breaker] = {}
+        self._demand: dict[tuple[str, str, str], float] = {}
+        self._stretch: dict[Scope, float] = {}
+        self._demand_at = -float("inf")
+        self._budget = self.config.batch
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- the loop -------------------------------------------------------------------------
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        """Claim and query until ``stopping`` is set; then let the queries in flight finish."""
+        log(logger, logging.INFO, "poller running", replica=self.name)
+        try:
+            while not stopping.is_set():
+                try:
+                    pause = await self.step()
+                except DatabaseUnavailable as exc:
+                    log(logger, logging.WARNING, "poller: database unavailable", error=str(exc))
+                    pause = 1.0
+                if pause > 0:
+                    await _sleep_unless(stopping, pause)
+        finally:
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def step(self) -> float:
+        """One round: claim what is due and start its queries. Returns how long to wait."""
+        cfg = self.config
+        free = cfg.concurrency - len(self._tasks)
+        if free <= 0:
+            await asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_COMPLETED)
+            return 0.0
+        await self._refresh_demand()
+        rows = await self._claim(min(free, self._budget))
+        if not rows:
+            return cfg.idle_s * self.rand.uniform(0.8, 1.2)
+        waits = await self._dispatch(rows)
+        if waits is None:  # everything went out: claim more next round
+            self._budget = min(cfg.batch, self._budget * 2)
+            return 0.0
+        return min(1.0, max(0.02, waits))
+
+    async def _claim(self, want: int) -> list[Claimed]:
+        skip = [
+            provider
+            for (provider, _), b in self.breakers.items()
+            if b.current(self.clock()).state is BreakerState.OPEN
+        ]
+        scan = max(want * 4, want + 16)
+        async with self.db.connection() as conn:
+            records = await conn.fetch(
+                q("poll_claim"), list(POLLED_STATUSES), scan, want, self.config.lease_s, skip
+            )
+        self.stats.claims += 1
+        self.stats.statements += 1
+        rows = [Claimed.of(r) for r in records]
+        if records:
+            self.stats.stopped += records[0]["stopped"]
+        self.stats.claimed += len(rows)
+        for row in rows:
+            LAG.observe(max(0.0, row.lag_s))
+        return rows
+
+    async def _dispatch(self, rows: list[Claimed]) -> float | None:
+        """Start the queries the breakers and tokens allow; give the rest back. Returns the
+        shortest wait hint when something was given back, None when everything went out."""
+        groups: dict[Scope, list[Claimed]] = defaultdict(list)
+        for row in rows:
+            groups[row.scope].append(row)
+        watching = await watched(
+            self.redis,
+            ((r.task_id, r.project_id) for r in rows),
+            prefix=self.config.interest_prefix,
+        )
+        give_back: list[tuple[Claimed, float, str]] = []
+        granted_total = 0
+        for scope, members in groups.items():
+            allowed, wait = self._breaker_allowance(scope.provider, len(members))
+            for row in members[allowed:]:
+                give_back.append((row, wait, "breaker"))
+            members = members[:allowed]
+            if not members:
+                continue
+            grant = await self.limiter.take(scope, len(members))
+            granted_total += grant.granted
+            for row in members[grant.granted :]:
+                give_back.append((row, max(grant.wait_s, 0.05), "tokens"))
+            for row in members[: grant.granted]:
+                self._start(row, str(row.task_id) in watching)
+        if not give_back:
+            return None
+        self._budget = max(1, granted_total)
+        await self._release(give_back)
+        return min(wait for _, wait, _ in give_back)
+
+    def _breaker_allowance(self, provider: str, wanted: int) -> tuple[int, float]:
+        now = self.clock()
+        allowed = wanted
+        wait = 0.0
+        for key in ((provider, "provider"), (provider, "credential")):
+            breaker = self.breakers.get(key)
+            if breaker is None:
+                continue
+            b = breaker.current(now)
+            if b.state is BreakerState.CLOSED:
+                continue
+            if b.state is BreakerState.HALF_OPEN and allowed > 0:
+                b, ok = b.allow(now)
+                allowed = 1 if ok else 0
+            else:
+                allowed = 0
+            self.breakers[key] = b
+            wait = max(wait, b.retry_in(now), 0.5)
+        return allowed, wait
+
+    async def _release(self, rows: list[tuple[Claimed, float, str]]) -> None:
+        async with self.db.connection() as conn:
+            await conn.execute(
+                q("poll_release"),
+                [r.attempt_id for r, _, _ in rows],
+                [r.token for r, _, _ in rows],
+                [w for _, w, _ in rows],
+            )
+        self.stats.statements += 1
+        self.stats.released += len(rows)
+        for _, _, reason in rows:
+            RELEASED.labels(reason).inc()
+
+    def _start(self, row: Claimed, is_watched: bool) -> None:
+        task = asyncio.create_task(self._poll_guarded(row, is_watched))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- one query ------------------------------------------------------------------------
+
+    async def _poll_guarded(self, row: Claimed, is_watched: bool) -> None:
+        try:
+            await self.poll(row, is_watched)
+        except DatabaseUnavailable as exc:
+            # The lease lapses and another round (or replica) polls it again.
+            log(logger, logging.WARNING, "poll result not written", error=str(exc))
+        except Exception as exc:  # a bug must not kill the loop; the lease lapses
+            log(
+                logger,
+                logging.ERROR,
+                "poll failed",
+                attempt_id=str(row.attempt_id),
+                error=repr(exc),
+            )
+
+    async def poll(self, row: Claimed, is_watched: bool = False) -> PollRecord:
+        """Query one claimed attempt and write what it taught."""
+        adapter = self.adapters.get(row.provider)
+        sent = time.time()
+        job: JobState | None = None
+        retry_after: float | None = None
+        sample: str | None = None
+        if adapter is None:
+            outcome, sample = Outcome.MALFORMED, f"no adapter for provider {row.provider!r}"
+        else:
+            try:
+                async with asyncio.timeout(self.config.lease_s / 2):
+                    job = await adapter.query(row.provider_task_id)
+                outcome = Outcome.OK
+            except RateLimited as exc:
+                outcome, retry_after = Outcome.RATE_LIMITED, exc.retry_after_s
+                await self.limiter.penalize(row.provider, retry_after or 1.0)
+            except (ProviderUnavailable, TimeoutError):
+                outcome = Outcome.UNAVAILABLE
+            except NotFoundYet:
+                outcome = Outcome.NOT_FOUND
+            except AuthFailed:
+                outcome = Outcome.AUTH_FAILED
+            except MalformedResponse as exc:
+                outcome, sample = Outcome.MALFORMED, exc.sample
+            except ProviderError as exc:  # Rejected / Unsupported: not what a query answers
+                outcome, sample = Outcome.MALFORMED, sample_of(str(exc))
+        answered = time.time()
+        self._feed_breakers(row.provider, outcome)
+        QUERIES.labels(row.provider, str(outcome)).inc()
+        self.stats.polls += 1
+        self.stats.outcomes[str(outcome)] += 1
+        facts = AttemptFacts(
+            task_status=row.status,
+            provider_status=row.provider_status,
+            age_s=row.age_s,
+            unchanged=row.unchanged,
+            failures=row.failures,
+            watched=is_watched,
+        )
+        changed = job is not None and _changed(row, job)
+        if job is not None:
+            decision = after_success(
+                facts, changed, self.config.policy, self.rand, provider_status=job.status
+            )
+        else:
+            decision = after_failure(
+                facts, outcome, self.config.policy, self.rand, retry_after_s=retry_after
+            )
+        for alert in decision.alerts:
+            ALERTS.labels(row.provider, str(alert)).inc()
+            log(
+                logger,
+                logging.ERROR if alert == "auth_failed" else logging.WARNING,
+                "poller alert",
+                alert=str(alert),
+                provider=row.provider,
+                attempt_id=str(row.attempt_id),
+                failures=decision.failures,
+            )
+        stretch = self.stretch(row.scope)
+        delay = scheduled_delay(decision, stretch)
+        written = await self._write(row, job, changed, outcome, decision, delay, sample)
+        record = PollRecord(
+            attempt_id=row.attempt_id,
+            replica=self.name,
+            sent_at=sent,
+            answered_at=answered,
+            outcome=outcome,
+            delay_s=written,
+            nominal_s=decision.nominal_s,
+            stretch=stretch,
+            lag_s=row.lag_s,
+        )
+        if self.on_poll is not None:
+            self.on_poll(record)
+        return record
+
+    async def _write(
+        self,
+        row: Claimed,
+        job: JobState | None,
+        changed: bool,
+        outcome: Outcome,
+        decision: PollDecision,
+        delay: float,
+        sample: str | None,
+    ) -> float | None:
+        """Apply and reschedule, in one transaction when there is something to apply."""
+        args = (
+            row.attempt_id,
+            row.token,
+            delay,
+            decision.nominal_s,
+            decision.failures,
+            decision.unchanged,
+            None if outcome is Outcome.OK else str(outcome),
+            sample,
+            list(POLLED_STATUSES),
+        )
+        skip = (
+            job is not None
+            and self.config.skip_unchanged
+            and not changed
+            and row.status is not Status.STATUS_UNKNOWN
+            and job.status is row.provider_status
+            and job.sequence is not None
+        )
+        needs_tx = (job is not None and not skip) or decision.status_unknown or decision.reconcile
+        if not needs_tx:
+            self.stats.skipped += job is not None
+            async with self.db.connection() as conn:
+                result = await conn.fetchrow(q("poll_reschedule"), *args)
+            self.stats.statements += 1
+            return self._written(row, result)
+        async with self.db.transaction() as conn:
+            statements = 2  # BEGIN, COMMIT
+            if job is not None:
+                obs = job.observation(row.provider, row.attempt_id, Source.POLL)
+                applied = await self.state.apply_in(conn, obs)
+                statements += 2
+                self.stats.applied += applied.event is not None
+            if decision.status_unknown:
+                await self.state.apply_in(
+                    conn,
+                    PlatformObservation(
+                        kind=PlatformKind.STATUS_UNKNOWN,
+                        attempt_id=row.attempt_id,
+                        source=Source.POLL,
+                    ),
+                )
+                statements += 2
+            if decision.reconcile is not None:
+                await conn.execute(
+                    q("poll_reconcile"),
+                    row.attempt_id,
+                    str(decision.reconcile),
+                    {
+                        "outcome": str(outcome),
+                        "failures": decision.failures,
+                        "provider_task_id": row.provider_task_id,
+                        "sample": sample,
+                    },
+                )
+                statements += 1
+            result = await conn.fetchrow(q("poll_reschedule"), *args)
+            statements += 1
+        self.stats.statements += statements
+        return self._written(row, result)
+
+    def _written(self, row: Claimed, result: asyncpg.Record | None) -> float | None:
+        if result is None:
+            self.stats.leases_lost += 1
+            LEASES_LOST.inc()
+            log(logger, logging.WARNING, "poll lease lost", attempt_id=str(row.attempt_id))
+            return None
+        delay: float | None = result["delay_s"]
+        return delay
+
+    def _feed_breakers(self, provider: str, outcome: Outcome) -> None:
+        now = self.clock()
+        credential = self.credentials.get(provider, "default")
+        for kind, name, failed, config in (
+            (
+                "provider",
+                provider,
+                outcome is Outcome.UNAVAILABLE,
+                self.config.provider_breaker,
+            ),
+            (
+                "credential",
+                f"{provider}:{credential}",
+                outcome is Outcome.AUTH_FAILED,
+                self.config.credential_breaker,
+            ),
+        ):
+            key = (provider, kind)
+            breaker = self.breakers.get(key) or Breaker(config)
+            if failed:
+                breaker = breaker.on_failure(now)
+            elif outcome is not Outcome.RATE_LIMITED:
+                # Any answer but 429 proves the provider (and our credential) work.
+                breaker = breaker.on_success(now)
+            self.breakers[key] = breaker
+            BREAKER.labels(kind, name).set(_BREAKER_VALUE[breaker.current(now).state])
+
+    # -- stretch ----------------------------------------------------------------------------
+
+    async def _refresh_demand(self) -> None:
+        now = self.clock()
+        if now - self._demand_at < self.config.stretch_refresh_s:
+            return
+        self._demand_at = now
+        default = self.config.policy.running.base_s
+        async with self.db.connection() as conn:
+            records = await conn.fetch(q("poll_demand"), default)
+        self.stats.statements += 1
+        self._demand = {(r["provider"], r["model"], r["tenant"]): r["demand_qps"] for r in records}
+        self._stretch.clear()
+        worst: dict[str, float] = defaultdict(lambda: 1.0)
+        for provider, model, tenant in self._demand:
+            scope = Scope(provider, model, tenant)
+            worst[provider] = max(worst[provider], self.stretch(scope))
+        for provider, value in worst.items():
+            STRETCH.labels(provider).set(value)
+
+    def stretch(self, scope: Scope) -> float:
+        """How much the rate limits stretch the intervals of ``scope``'s attempts."""
+        cached = self._stretch.get(scope)
+        if cached is not None:
+            return cached
+        limits = self.limiter.config
+        total = provider = model = tenant = 0.0
+        for (p, m, t), demand in self._demand.items():
+            total += demand
+            if p == scope.provider:
+                provider += demand
+                if m == scope.model:
+                    model += demand
+            if t == scope.tenant:
+                tenant += demand
+        levels = [
+            (total, limits.global_limit.qps),
+            (provider, limits.provider_limit(scope.provider).qps),
+            (tenant, limits.tenant_limit(scope.tenant).qps),
+        ]
+        model_limit = limits.model_limit(scope.provider, scope.model)
+        if model_limit is not None:
+            levels.append((model, model_limit.qps))
+        value = stretch_factor(levels, self.config.utilization)
+        self._stretch[scope] = value
+        return value
+
+
+def _changed(row: Claimed, job: JobState) -> bool:
+    """Did the query teach something the attempt had not recorded?"""
+    if job.sequence is not None and row.last_seq is not None:
+        return job.sequence > row.last_seq
+    return job.status is not row.provider_status or job.sequence is not None
+
+
+async def _sleep_unless(stopping: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stopping.wait(), seconds)
+
+
+__all__ = ["POLLED_STATUSES", "Claimed", "PollRecord", "Poller", "PollerStats"]
