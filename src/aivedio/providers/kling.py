@@ -198,6 +198,8 @@ class KlingAdapter(AdapterBase):
 
     def _data(self, response: httpx.Response) -> Mapping[str, Any]:
         """The envelope's ``data``; an HTTP error or a non-zero ``code`` as the named error."""
+        if response.status_code == 404:
+            self.http.check(response)  # NotFoundYet, whatever the envelope code
         if response.status_code >= 400:
             try:
                 code = mapping_of(response.json()).get("code")

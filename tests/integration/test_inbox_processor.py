@@ -1,0 +1,529 @@
+"""The inbox processor on real PostgreSQL: callbacks stored by the real gateway route are mapped,
+applied (inbox row processed in the same transaction), orphaned, retried, dead-lettered and
+replayed; two processors never apply one row twice; unsigned callbacks are re-fetched; and an
+end-to-end run against the real sandbox provider reaches the true final states, chaos included.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+from urllib.parse import urlsplit
+
+import asyncpg
+import httpx
+import pytest
+import standardwebhooks
+from starlette.applications import Starlette
+
+from aivedio.db.pool import Database
+from aivedio.domain.observation import Observation
+from aivedio.ingest.gateway import CallbackConfig, callback_routes
+from aivedio.ingest.group_commit import InboxWriter
+from aivedio.ingest.processor import InboxConfig, InboxProcessor, list_dead_letters, replay
+from aivedio.providers.base import ProviderAdapter, SubmitRequest
+from aivedio.providers.kling import KlingAdapter
+from aivedio.providers.registry import callback_providers, versioned
+from aivedio.providers.sandbox import SandboxAdapter
+from aivedio.sandbox import SandboxConfig, create_app
+from aivedio.state.service import ApplyResult, StateService
+from tests.integration.helpers import Project, make_project, make_task, store
+from tests.integration.test_sandbox_provider import free_socket, run_app
+
+SECRET = "whsec_" + base64.b64encode(os.urandom(24)).decode()
+TOKEN_SECRET = os.urandom(32)
+FAST = InboxConfig(
+    orphan_backoff_base_s=30.0,
+    parse_backoff_base_s=30.0,
+    refetch_backoff_base_s=30.0,
+    orphan_max_tries=3,
+    parse_max_tries=2,
+)
+
+
+class KlingFake:
+    """The Kling query API as a MockTransport: answers the task it holds, records requests."""
+
+    def __init__(self) -> None:
+        self.tasks: dict[str, dict[str, Any]] = {}
+        self.requests: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.requests.append(request)
+        task_id = request.url.path.rsplit("/", 1)[-1]
+        task = self.tasks.get(task_id)
+        if task is None:
+            return httpx.Response(404, json={"code": 1203, "message": "task not found"})
+        return httpx.Response(200, json={"code": 0, "message": "SUCCEED", "data": task})
+
+
+@dataclass
+class Env:
+    db: Database
+    state: StateService
+    project: Project
+    client: httpx.AsyncClient
+    adapters: dict[str, ProviderAdapter]
+    kling: KlingFake
+
+    def processor(
+        self, config: InboxConfig = FAST, state: StateService | None = None
+    ) -> InboxProcessor:
+        return InboxProcessor(self.db, state or self.state, self.adapters, config)
+
+    async def task(
+        self, provider: str = "sandbox", provider_task_id: str | None = None
+    ) -> tuple[uuid.UUID, uuid.UUID, str]:
+        task_id, attempt_id = await make_task(
+            store(self.db, self.state), self.project, provider=provider
+        )
+        async with self.db.connection() as conn:
+            crid = await conn.fetchval(
+                "UPDATE task_attempts SET provider_task_id = $2 WHERE id = $1 "
+                "RETURNING client_request_id",
+                attempt_id,
+                provider_task_id,
+            )
+        return task_id, attempt_id, crid
+
+    async def post_sandbox(self, data: dict[str, Any], msg_id: str | None = None) -> httpx.Response:
+        body = json.dumps({"type": "generation.updated", "data": data})
+        msg_id = msg_id or f"msg_{uuid.uuid4().hex}"
+        now = datetime.now(UTC)
+        headers = {
+            "content-type": "application/json",
+            "webhook-id": msg_id,
+            "webhook-timestamp": str(int(now.timestamp())),
+            "webhook-signature": standardwebhooks.Webhook(SECRET).sign(msg_id, now, body),
+        }
+        return await self.client.post("/v1/callbacks/sandbox", content=body, headers=headers)
+
+    async def post_kling(self, attempt_id: uuid.UUID, body: dict[str, Any]) -> httpx.Response:
+        url = self.adapters["kling"].webhook_url_for(str(attempt_id))
+        assert url is not None
+        parts = urlsplit(url)
+        return await self.client.post(
+            f"{parts.path}?{parts.query}",
+            content=json.dumps(body),
+            headers={"content-type": "application/json"},
+        )
+
+    async def status(self, task_id: uuid.UUID) -> str:
+        async with self.db.connection() as conn:
+            return str(
+                await conn.fetchval("SELECT status FROM generation_tasks WHERE id = $1", task_id)
+            )
+
+    async def inbox(self) -> list[dict[str, Any]]:
+        async with self.db.connection() as conn:
+            rows = await conn.fetch("SELECT * FROM provider_callback_inbox ORDER BY id")
+        return [dict(r) for r in rows]
+
+    async def make_due(self) -> None:
+        """Time passes: every waiting row is due now."""
+        async with self.db.connection() as conn:
+            await conn.execute("UPDATE provider_callback_inbox SET next_retry_at = now()")
+
+
+def generation(
+    gen: str, status: str, seq: int, crid: str | None = None, **extra: Any
+) -> dict[str, Any]:
+    return {
+        "id": gen,
+        "status": status,
+        "progress": 50 if status == "running" else (100 if status == "succeeded" else 0),
+        "sequence": seq,
+        "updated_at": datetime.now(UTC).isoformat(),
+        "error": None,
+        "output": None,
+        "metadata": {"client_request_id": crid} if crid else {},
+        **extra,
+    }
+
+
+def kling_task(task_id: str, status: str, crid: str) -> dict[str, Any]:
+    return {
+        "task_id": task_id,
+        "task_status": status,
+        "task_status_msg": "",
+        "created_at": int(time.time() * 1000),
+        "updated_at": int(time.time() * 1000),
+        "task_info": {"external_task_id": crid},
+        "task_result": {},
+    }
+
+
+@pytest.fixture
+async def env(db: Database) -> AsyncIterator[Env]:
+    kling = KlingFake()
+    sandbox = SandboxAdapter(
+        base_url="http://sandbox.invalid",
+        api_key="k",
+        webhook_secrets=versioned((SECRET,)),
+        public_url="http://t",
+    )
+    kling_adapter = KlingAdapter(
+        access_key="ak",
+        secret_key="sk",
+        callback_token_secrets=(("t0", TOKEN_SECRET),),
+        public_url="http://t",
+        base_url="http://kling.test",
+        client=httpx.AsyncClient(transport=httpx.MockTransport(kling)),
+    )
+    adapters: dict[str, ProviderAdapter] = {"sandbox": sandbox, "kling": kling_adapter}
+    writer = InboxWriter(db)
+    writer.start()
+    app = Starlette(routes=callback_routes(CallbackConfig(), callback_providers(adapters), writer))
+    state = StateService(db)
+    project = await make_project(db)
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as client:
+            yield Env(db, state, project, client, adapters, kling)
+    finally:
+        await writer.close()
+        for adapter in adapters.values():
+            await adapter.aclose()
+        await kling_adapter.http.client.aclose()
+
+
+async def drain(processor: InboxProcessor) -> int:
+    total = 0
+    while claimed := await processor.process_once():
+        total += claimed
+    return total
+
+
+# --- mapping and applying --------------------------------------------------------------------
+
+
+async def test_callback_is_mapped_by_provider_task_id_and_applied(env: Env) -> None:
+    task_id, attempt_id, _ = await env.task(provider_task_id="gen_a")
+    response = await env.post_sandbox(generation("gen_a", "running", 2), msg_id="msg_gen_a_2")
+    assert response.status_code == 204
+    assert await drain(env.processor()) == 1
+    assert await env.status(task_id) == "running"
+    (row,) = await env.inbox()
+    assert row["process_status"] == "processed" and row["processed_at"] is not None
+    assert row["lease_token"] is None
+    async with env.db.connection() as conn:
+        attempt = await conn.fetchrow("SELECT * FROM task_attempts WHERE id = $1", attempt_id)
+        events = await conn.fetchval("SELECT count(*) FROM task_events WHERE task_id = $1", task_id)
+    assert attempt["provider_status"] == "running" and attempt["last_provider_seq"] == 2
+    assert events == 2  # created + running
+    # the same event again: a duplicate at the door, nothing to process
+    assert (
+        await env.post_sandbox(generation("gen_a", "running", 2), msg_id="msg_gen_a_2")
+    ).status_code == 204
+    assert await drain(env.processor()) == 0
+
+
+class FailingState(StateService):
+    """Applies, then fails before commit: nothing of the row's transaction may survive."""
+
+    async def apply_in(self, conn: asyncpg.Connection, obs: Observation) -> ApplyResult:
+        await super().apply_in(conn, obs)
+        raise RuntimeError("crash after apply")
+
+
+async def test_state_change_and_inbox_mark_share_one_transaction(env: Env) -> None:
+    task_id, _, _ = await env.task(provider_task_id="gen_t")
+    await env.post_sandbox(generation("gen_t", "running", 2))
+    await drain(env.processor(state=FailingState(env.db)))
+    assert await env.status(task_id) == "created"  # the task change rolled back with it
+    (row,) = await env.inbox()
+    assert row["process_status"] == "retry" and row["last_error_code"] == "internal_error"
+    assert row["processed_at"] is None
+    await env.make_due()
+    assert await drain(env.processor()) == 1
+    assert await env.status(task_id) == "running"
+    assert (await env.inbox())[0]["process_status"] == "processed"
+
+
+async def test_callback_before_submit_response_maps_by_client_request_id(env: Env) -> None:
+    task_id, attempt_id, crid = await env.task(provider_task_id=None)
+    await env.post_sandbox(generation("gen_early", "queued", 1, crid))
+    assert await drain(env.processor()) == 1
+    assert await env.status(task_id) == "provider_queued"
+    async with env.db.connection() as conn:
+        recorded = await conn.fetchval(
+            "SELECT provider_task_id FROM task_attempts WHERE id = $1", attempt_id
+        )
+    assert recorded == "gen_early"
+    # the next callback names only the provider id: mapped by it now
+    await env.post_sandbox(generation("gen_early", "succeeded", 2))
+    await drain(env.processor())
+    assert await env.status(task_id) == "provider_succeeded"
+
+
+async def test_client_request_id_with_another_task_id_is_not_applied(env: Env) -> None:
+    task_id, _, crid = await env.task(provider_task_id="gen_ours")
+    await env.post_sandbox(generation("gen_other", "succeeded", 5, crid))
+    await drain(env.processor())
+    (row,) = await env.inbox()
+    assert row["process_status"] == "orphan" and row["last_error_code"] == "task_id_mismatch"
+    assert await env.status(task_id) == "created"
+
+
+# --- orphans, parse errors, dead letters -----------------------------------------------------
+
+
+async def test_unmappable_callback_orphan_backoff_dead_list_replay(env: Env) -> None:
+    await env.post_sandbox(generation("gen_nobody", "running", 1, "cr_nobody"))
+    processor = env.processor()
+    delays = []
+    for tries in (1, 2):
+        assert await drain(processor) == 1
+        (row,) = await env.inbox()
+        assert row["process_status"] == "orphan" and row["retry_count"] == tries
+        assert row["last_error_code"] == "unmapped"
+        delays.append((row["next_retry_at"] - datetime.now(UTC)).total_seconds())
+        assert await drain(processor) == 0  # not due yet: it waits out its backoff
+        await env.make_due()
+    assert 20 < delays[0] < 40 and 45 < delays[1] < 75  # base 30 s, doubled, jitter +-20 %
+    assert await drain(processor) == 1
+    (row,) = await env.inbox()
+    assert row["process_status"] == "dead" and row["retry_count"] == 3
+    dead = await list_dead_letters(env.db, 10)
+    assert [d["id"] for d in dead] == [row["id"]]
+    assert dead[0]["last_error_code"] == "unmapped" and "payload" not in dead[0]
+    # the attempt turns up (submit recorded it late); an operator replays the dead letter
+    task_id, _, _ = await env.task(provider_task_id="gen_nobody")
+    assert await replay(env.db, row["id"]) is True
+    (row,) = await env.inbox()
+    assert row["process_status"] == "pending" and row["retry_count"] == 0
+    assert await drain(processor) == 1
+    assert await env.status(task_id) == "running"
+    assert await replay(env.db, row["id"]) is False  # processed rows stay processed
+    assert await replay(env.db, 999_999) is False
+
+
+async def test_parse_error_keeps_redacted_sample_and_dead_letters(env: Env) -> None:
+    data = generation("gen_bad", "exploded", 1)
+    data["output"] = {"url": "https://cdn.example/x.mp4?sig=TOPSECRET"}
+    data["token"] = "ALSOSECRET"
+    await env.post_sandbox(data)
+    processor = env.processor()
+    await drain(processor)
+    (row,) = await env.inbox()
+    assert row["process_status"] == "retry" and row["last_error_code"] == "payload_unknown_status"
+    sample = row["last_error_sample"]
+    assert sample and "exploded" in sample
+    assert "TOPSECRET" not in sample and "ALSOSECRET" not in sample
+    await env.make_due()
+    await drain(processor)
+    (row,) = await env.inbox()
+    assert row["process_status"] == "dead" and row["retry_count"] == 2
+    assert (await list_dead_letters(env.db, 5))[0]["last_error_sample"] == sample
+
+
+# --- concurrency -----------------------------------------------------------------------------
+
+
+class CountingState(StateService):
+    def __init__(self, db: Database, seen: list[int]) -> None:
+        super().__init__(db)
+        self.seen = seen
+
+    async def apply_in(self, conn: asyncpg.Connection, obs: Observation) -> ApplyResult:
+        result = await super().apply_in(conn, obs)
+        inbox_id = getattr(obs, "inbox_id", None)
+        assert inbox_id is not None
+        self.seen.append(inbox_id)
+        await asyncio.sleep(0.005)  # widen the window in which a second processor could interfere
+        return result
+
+
+async def test_two_processors_never_process_one_row_twice(env: Env) -> None:
+    tasks = []
+    for i in range(24):
+        task_id, _, _ = await env.task(provider_task_id=f"gen_{i}")
+        tasks.append(task_id)
+        for seq, status in enumerate(("queued", "running", "succeeded"), start=1):
+            await env.post_sandbox(generation(f"gen_{i}", status, seq))
+    seen: list[int] = []
+    config = InboxConfig(batch_size=5, concurrency=3)
+    one, two = (env.processor(config, CountingState(env.db, seen)) for _ in range(2))
+    await asyncio.gather(drain(one), drain(two), drain(one), drain(two))
+    rows = await env.inbox()
+    assert len(rows) == 72 and {r["process_status"] for r in rows} == {"processed"}
+    assert sorted(seen) == sorted(r["id"] for r in rows)  # each row applied exactly once
+    assert {await env.status(t) for t in tasks} == {"provider_succeeded"}
+
+
+async def test_a_taken_over_lease_cannot_apply(env: Env) -> None:
+    task_id, _, _ = await env.task(provider_task_id="gen_l")
+    await env.post_sandbox(generation("gen_l", "running", 2))
+    stale_token = uuid.uuid4()
+    async with env.db.connection() as conn:
+        (claimed,) = await conn.fetch(
+            "UPDATE provider_callback_inbox SET lease_until = now() - interval '1 s', "
+            "lease_token = $1 RETURNING *",
+            stale_token,
+        )
+    seen: list[int] = []
+    assert await drain(env.processor(state=CountingState(env.db, seen))) == 1  # lease expired
+    slow = env.processor(state=CountingState(env.db, seen))
+    await slow._process(claimed, stale_token)  # the first claimer wakes up late
+    assert seen == [claimed["id"]]
+    assert await env.status(task_id) == "running"
+
+
+# --- unsigned providers: re-fetch ------------------------------------------------------------
+
+
+async def test_unsigned_callback_is_refetched_before_applying(env: Env) -> None:
+    task_id, attempt_id, crid = await env.task(provider="kling", provider_task_id="k_1")
+    env.kling.tasks["k_1"] = kling_task("k_1", "succeed", crid)
+    # the body claims something else (failed, another task): only the provider's answer counts
+    forged = kling_task("k_evil", "failed", crid)
+    assert (await env.post_kling(attempt_id, forged)).status_code == 204
+    assert await drain(env.processor()) == 1
+    assert [r.url.path for r in env.kling.requests] == ["/v1/videos/text2video/k_1"]
+    assert await env.status(task_id) == "provider_succeeded"
+    (row,) = await env.inbox()
+    assert row["process_status"] == "processed" and row["payload_authenticated"] is False
+
+
+async def test_unsigned_callback_before_submit_needs_a_confirming_refetch(env: Env) -> None:
+    task_id, attempt_id, crid = await env.task(provider="kling", provider_task_id=None)
+    env.kling.tasks["k_2"] = kling_task("k_2", "processing", "cr_someone_else")
+    await env.post_kling(attempt_id, kling_task("k_2", "processing", crid))
+    await drain(env.processor())
+    (row,) = await env.inbox()
+    assert row["process_status"] == "orphan" and row["last_error_code"] == "refetch_unconfirmed"
+    assert await env.status(task_id) == "created"
+    env.kling.tasks["k_2"] = kling_task("k_2", "processing", crid)  # now it is ours
+    await env.make_due()
+    await drain(env.processor())
+    assert await env.status(task_id) == "running"
+    async with env.db.connection() as conn:
+        assert (
+            await conn.fetchval(
+                "SELECT provider_task_id FROM task_attempts WHERE id = $1", attempt_id
+            )
+            == "k_2"
+        )
+
+
+async def test_refetch_failure_is_retried(env: Env) -> None:
+    task_id, attempt_id, crid = await env.task(provider="kling", provider_task_id="k_404")
+    await env.post_kling(attempt_id, kling_task("k_404", "succeed", crid))
+    await drain(env.processor())
+    (row,) = await env.inbox()
+    assert row["process_status"] == "retry" and row["last_error_code"] == "refetch_not_found"
+    assert await env.status(task_id) == "created"
+
+
+# --- end to end against the real sandbox provider ---------------------------------------------
+
+
+async def wait_for(check: Callable[[], Awaitable[bool]], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out")
+        await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def live_stack(
+    db: Database,
+) -> AsyncIterator[tuple[SandboxAdapter, InboxProcessor, httpx.AsyncClient]]:
+    """The sandbox provider and the gateway, each in uvicorn on a free port, plus a processor."""
+    gateway_sock, sandbox_sock = free_socket(), free_socket()
+    gateway_url = "http://{}:{}".format(*gateway_sock.getsockname())
+    sandbox_url = "http://{}:{}".format(*sandbox_sock.getsockname())
+    sandbox_app = create_app(
+        SandboxConfig(api_key="sk_e2e", webhook_secrets=(SECRET,), public_url=sandbox_url, seed=7)
+    )
+    adapter = SandboxAdapter(
+        base_url=sandbox_url, api_key="sk_e2e", webhook_secrets=versioned((SECRET,)),
+        public_url=gateway_url,
+    )  # fmt: skip
+    writer = InboxWriter(db)
+    writer.start()
+    gateway_app = Starlette(routes=callback_routes(CallbackConfig(), {"sandbox": adapter}, writer))
+    sandbox = await run_app(sandbox_app, sandbox_sock)
+    gateway = await run_app(gateway_app, gateway_sock)
+    processor = InboxProcessor(db, StateService(db), {"sandbox": adapter})
+    stopping = asyncio.Event()
+    loop = asyncio.create_task(processor.run(stopping))
+    admin = httpx.AsyncClient(base_url=sandbox_url, headers={"Authorization": "Bearer sk_e2e"})
+    try:
+        yield adapter, processor, admin
+    finally:
+        stopping.set()
+        await loop
+        await admin.aclose()
+        await gateway.stop()
+        await sandbox.stop()
+        await writer.close()
+        await adapter.aclose()
+
+
+async def submit(env: Env, adapter: SandboxAdapter, outcome: str) -> uuid.UUID:
+    """What the submitter does: submit with the attempt's client_request_id, record the id."""
+    task_id, attempt_id, crid = await env.task(provider_task_id=None)
+    result = await adapter.submit(
+        SubmitRequest(
+            client_request_id=crid,
+            model="m1",
+            prompt="a cat",
+            params={
+                "sandbox": {"outcome": outcome, "queue_s": 0.05, "duration_s": 0.3, "steps": 3}
+            },
+            webhook_url=adapter.webhook_url_for(str(attempt_id)),
+        )
+    )
+    async with env.db.connection() as conn:
+        await conn.execute(
+            "UPDATE task_attempts SET provider_task_id = $2 "
+            "WHERE id = $1 AND provider_task_id IS NULL",
+            attempt_id,
+            result.provider_task_id,
+        )
+    return task_id
+
+
+async def test_end_to_end_with_the_real_sandbox_provider(env: Env) -> None:
+    async with live_stack(env.db) as (adapter, _, admin):
+        task_id = await submit(env, adapter, "succeeded")
+
+        async def done() -> bool:
+            return await env.status(task_id) == "provider_succeeded"
+
+        await wait_for(done)
+
+        # chaos: duplicates, reordering, delays, forged copies, callbacks before the submit response
+        chaos = {
+            "duplicate_rate": 1.0, "reorder": 0.5, "delay_ms": [0, 50],
+            "forge_signature_rate": 0.3, "callback_before_submit_response": 0.5,
+        }  # fmt: skip
+        assert (await admin.put("/_sandbox/chaos", json=chaos)).status_code == 200
+        outcomes = ["succeeded", "failed", "canceled", "succeeded", "failed", "succeeded"]
+        expected = {"succeeded": "provider_succeeded", "failed": "failed", "canceled": "canceled"}
+        task_ids = [await submit(env, adapter, outcome) for outcome in outcomes]
+
+        async def all_final() -> bool:
+            return [await env.status(t) for t in task_ids] == [expected[o] for o in outcomes]
+
+        await wait_for(all_final, timeout=30.0)
+        stats = (await admin.get("/_sandbox/stats")).json()
+        assert stats["webhooks"].get("forged_accepted", 0) == 0
+        assert stats["webhooks"].get("duplicated", 0) > 0
+    async with env.db.connection() as conn:
+        statuses = await conn.fetch(
+            "SELECT process_status, count(*) FROM provider_callback_inbox GROUP BY 1"
+        )
+    assert {r["process_status"] for r in statuses} == {"processed"}
