@@ -82,6 +82,7 @@ class ProjectStream:
     def _dispatch(self, event: Event, source: str) -> None:
         self.last = event.seq
         metrics.EVENTS.labels(source).inc()
+        metrics.FRAMES.inc(len(self.sessions))  # one per session (filtered ones included)
         for session in tuple(self.sessions):
             session.deliver(event)
 

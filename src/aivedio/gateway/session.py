@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from aivedio.gateway import metrics
 from aivedio.gateway.closecodes import CloseReason
 from aivedio.gateway.config import GatewayConfig
 from aivedio.gateway.frames import Event
@@ -122,6 +123,7 @@ class Session:
                 out.append(self.transport.frame_of(event))
         if out and self.closed is None:
             self.transport.write_many(out)
+            metrics.FRAMES.inc(len(out))
 
     def go_live(self) -> None:
         """Replay done: deliver what arrived meanwhile (merge by seq), then live."""
