@@ -11,9 +11,12 @@ import asyncio
 import json
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aivedio.config import Settings
+
+if TYPE_CHECKING:
+    from aivedio.db.pool import Database
 
 ROLES = (
     "all",
@@ -103,6 +106,32 @@ def _cmd_sandbox(args: argparse.Namespace, settings: Settings) -> int:
     return 0
 
 
+def _cmd_inbox(args: argparse.Namespace, settings: Settings) -> int:
+    from aivedio.ingest.processor import list_dead_letters, replay
+
+    async def go() -> int:
+        db = await _database(settings)
+        try:
+            if args.inbox_command == "dead-letters":
+                for row in await list_dead_letters(db, args.limit):
+                    _print_json(row)
+                return 0
+            ok = await replay(db, args.id)
+            _print_json({"id": args.id, "requeued": ok})
+            return 0 if ok else 1
+        finally:
+            await db.close()
+
+    return asyncio.run(go())
+
+
+async def _database(settings: Settings) -> Database:
+    from aivedio.admin import resolve_database_url
+    from aivedio.db.pool import Database
+
+    return await Database.connect(settings.database(resolve_database_url(settings)))
+
+
 def _cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
     from aivedio.bench import run_bench
 
@@ -137,6 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="everything on embedded services, with the web UI")
     demo.add_argument("--port", type=int, default=None)
     demo.set_defaults(func=_cmd_demo)
+
+    inbox = sub.add_parser("inbox", help="callback inbox operations")
+    inbox_sub = inbox.add_subparsers(dest="inbox_command", required=True)
+    dead = inbox_sub.add_parser("dead-letters", help="list dead-lettered callbacks (JSON lines)")
+    dead.add_argument("--limit", type=int, default=50)
+    dead.set_defaults(func=_cmd_inbox)
+    requeue = inbox_sub.add_parser("replay", help="requeue one inbox row")
+    requeue.add_argument("id", type=int)
+    requeue.set_defaults(func=_cmd_inbox)
 
     sandbox = sub.add_parser("sandbox-provider", help="run the fake video provider")
     sandbox.add_argument("--host", default=None)

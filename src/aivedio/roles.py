@@ -34,6 +34,8 @@ class RoleParts:
     routes: list[BaseRoute] = field(default_factory=list)
     loops: list[Loop] = field(default_factory=list)
     http: bool = False
+    on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    """Run after the HTTP server and every loop have stopped (drain, close clients)."""
 
 
 RoleFactory = Callable[[Runtime], Awaitable[RoleParts]]
@@ -51,10 +53,24 @@ async def _api(rt: Runtime) -> RoleParts:
     return RoleParts(http=True)
 
 
+async def _callbacks(rt: Runtime) -> RoleParts:
+    from aivedio.ingest.role import callbacks_role
+
+    return await callbacks_role(rt)
+
+
+async def _inbox(rt: Runtime) -> RoleParts:
+    from aivedio.ingest.processor import inbox_role
+
+    return await inbox_role(rt)
+
+
 # The roles this build has. The operator contract names more (see cli.ROLES); they are added here
 # as they are built.
 AVAILABLE: dict[str, RoleFactory] = {
     "api": _api,
+    "callbacks": _callbacks,
+    "inbox": _inbox,
 }
 
 
@@ -124,6 +140,7 @@ async def serve(rt: Runtime, roles: Sequence[str], port: int) -> int:
                 host=rt.settings.host,
                 port=port,
                 lifespan="off",
+                http="httptools",
                 access_log=False,
                 log_config=None,
                 timeout_graceful_shutdown=10,
@@ -136,4 +153,10 @@ async def serve(rt: Runtime, roles: Sequence[str], port: int) -> int:
     if server is not None:
         server.should_exit = True
     await asyncio.gather(*jobs, return_exceptions=True)
+    for part in parts:
+        for hook in part.on_stop:
+            try:
+                await hook()
+            except Exception as exc:  # one role's cleanup must not skip the others'
+                log(logger, logging.ERROR, "cleanup failed", error=repr(exc))
     return 1 if failed else 0

@@ -1,0 +1,34 @@
+"""``aivedio run --role callbacks``: the callback gateway on the shared HTTP port."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from aivedio.ingest.gateway import CallbackConfig, callback_routes
+from aivedio.ingest.group_commit import GroupCommitConfig, InboxWriter
+
+if TYPE_CHECKING:
+    from aivedio.roles import RoleParts
+    from aivedio.runtime import Runtime
+
+
+async def callbacks_role(rt: Runtime) -> RoleParts:
+    from aivedio.providers.registry import build_providers, callback_providers, providers_config
+    from aivedio.roles import RoleParts
+
+    adapters = build_providers(providers_config(rt.settings))
+    writer = InboxWriter(rt.db, GroupCommitConfig())
+    writer.start()
+
+    async def close() -> None:
+        # After the HTTP server stopped: what is queued is committed, then the adapters close.
+        await writer.close()
+        for adapter in adapters.values():
+            await adapter.aclose()
+
+    providers = callback_providers(adapters)
+    return RoleParts(
+        routes=callback_routes(CallbackConfig(), providers, writer),
+        http=True,
+        on_stop=[close],
+    )
