@@ -83,9 +83,3 @@ WHERE a.id = $1 AND a.project_id = $2 AND p.tenant_id = $3
 
 -- name: asset_storage
 SELECT id, storage_key, content_type, size_bytes FROM assets WHERE id = $1
-
--- name: media_operation_of_task
-SELECT id, task_id, attempt_id, operation_type, state, stage, tries, next_attempt_at,
-       lease_until, asset_id, source_ref, error_code, error_detail, created_at, updated_at,
-       finished_at
-FROM media_operations WHERE task_id = $1 ORDER BY created_at
