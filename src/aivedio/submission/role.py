@@ -1,0 +1,44 @@
+"""The loops the lead wires into roles (``aivedio run --role submitter|reconciler``).
+
+Kept free of ``aivedio.roles`` (which imports every role module) to avoid an import cycle: the
+role factories wrap these lists in ``RoleParts(loops=...)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+
+from aivedio.db.pool import Database
+from aivedio.providers.base import ProviderAdapter
+from aivedio.reconcile.config import ReconcilerConfig
+from aivedio.reconcile.reconciler import Reconciler
+from aivedio.state.service import StateService
+from aivedio.submission.cancel import CancelWorker
+from aivedio.submission.config import CancelConfig, SubmitterConfig
+from aivedio.submission.submitter import Submitter
+
+Loop = Callable[[asyncio.Event], Awaitable[None]]
+
+
+def submitter_loops(
+    db: Database,
+    state: StateService,
+    adapters: Mapping[str, ProviderAdapter],
+    submit: SubmitterConfig | None = None,
+    cancel: CancelConfig | None = None,
+) -> list[Loop]:
+    """The submitter and the cancel worker: both send commands to providers."""
+    return [
+        Submitter(db, state, adapters, submit).run,
+        CancelWorker(db, state, adapters, cancel).run,
+    ]
+
+
+def reconciler_loops(
+    db: Database,
+    state: StateService,
+    adapters: Mapping[str, ProviderAdapter],
+    config: ReconcilerConfig | None = None,
+) -> list[Loop]:
+    return [Reconciler(db, state, adapters, config).run]
