@@ -128,7 +128,9 @@ async def _run(settings: Settings, opts: Options) -> int:
                 await reader
             await redis.aclose()
             await _delete_streams(bus_cfg)
-    figures["ok"] = figures.get("missing") == 0 and figures.get("duplicates_at_subscriber") == 0
+    figures["ok"] = all(
+        figures.get(k, 0) == 0 for k in ("missing", "duplicates_at_subscriber", "latency_missing")
+    )
     print_json_line(figures)
     return 0 if figures["ok"] else 1
 
