@@ -13,9 +13,13 @@ import secrets
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from aivedio.gateway.config import GatewayConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +85,15 @@ class Settings(BaseSettings):
     sandbox_webhook_secrets: str = "whsec_c2FuZGJveC1kZWZhdWx0LXNlY3JldC0wMDAwMDAwMA=="
     log_level: str = "INFO"
     secret_key: str | None = None
+    gateway_channel: str = "aivedio:events"
+    gateway_heartbeat_s: float = 20.0
+    gateway_session_cap_s: float = 1800.0
+    gateway_replay_cap: int = 1000
+    gateway_tailcheck_s: float = 5.0
+    gateway_max_conns_per_user: int = 50
+    gateway_max_conns_per_tenant: int = 5000
+    gateway_connect_rate_per_s: float = 2000.0
+    stream_token_ttl_s: int = 60
 
     def master_secret(self) -> bytes:
         """The key every signing secret is derived from (stream tokens, callback tokens,
@@ -137,6 +150,22 @@ class Settings(BaseSettings):
             port=self.port,
             public_url=self.public_url,
             idempotency_ttl=timedelta(seconds=self.idempotency_ttl_s),
+        )
+
+    def gateway(self, redis_url: str) -> GatewayConfig:
+        from aivedio.gateway.config import GatewayConfig
+
+        return GatewayConfig(
+            redis_url=redis_url,
+            channel=self.gateway_channel,
+            token_secret=self.derived_secret("stream-tokens"),
+            heartbeat_s=self.gateway_heartbeat_s,
+            session_cap_s=self.gateway_session_cap_s,
+            replay_cap=self.gateway_replay_cap,
+            tailcheck_s=self.gateway_tailcheck_s,
+            max_conns_per_user=self.gateway_max_conns_per_user,
+            max_conns_per_tenant=self.gateway_max_conns_per_tenant,
+            connect_rate_per_s=self.gateway_connect_rate_per_s,
         )
 
     @property

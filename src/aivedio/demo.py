@@ -16,8 +16,9 @@ import uvicorn
 from aivedio.admin import create_project_in
 from aivedio.config import Settings
 from aivedio.db.migrate import migrate
+from aivedio.gateway.server import QuietServer
 from aivedio.logs import setup_logging
-from aivedio.roles import AVAILABLE, EmbeddedServer, serve
+from aivedio.roles import AVAILABLE, serve
 from aivedio.runtime import Runtime, resolve_urls
 from aivedio.sandbox import SandboxConfig, create_app
 
@@ -70,7 +71,7 @@ async def _demo(settings: Settings, port: int) -> int:
         flush=True,
     )
     rt = await Runtime.open(settings, urls)
-    provider = EmbeddedServer(
+    provider = QuietServer(
         uvicorn.Config(
             create_app(sandbox_config(settings)),
             host=sandbox.hostname or "127.0.0.1",

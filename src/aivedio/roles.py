@@ -11,16 +11,20 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import uvicorn
 from starlette.routing import BaseRoute
 
 from aivedio.api.app import create_app
 from aivedio.config import Settings
+from aivedio.gateway.server import serve_http
 from aivedio.logs import log, setup_logging
 from aivedio.runtime import Runtime, resolve_urls
+
+if TYPE_CHECKING:
+    from aivedio.gateway import Gateway
 
 logger = logging.getLogger("aivedio.roles")
 
@@ -36,21 +40,26 @@ class RoleParts:
     http: bool = False
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     """Run after the HTTP server and every loop have stopped (drain, close clients)."""
+    gateway: Gateway | None = None
+    """The SSE gateway, served on the shared port by ``serve_http``."""
 
 
 RoleFactory = Callable[[Runtime], Awaitable[RoleParts]]
 
 
-class EmbeddedServer(uvicorn.Server):
-    """A uvicorn server that leaves signal handling to the process (several share one loop)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 async def _api(rt: Runtime) -> RoleParts:
-    return RoleParts(http=True)
+    from aivedio.gateway import stream_token_routes
+    from aivedio.media.role import playback_routes_for
+
+    secret = rt.settings.derived_secret("stream-tokens")
+    routes = stream_token_routes(rt.db, secret, rt.settings.stream_token_ttl_s)
+    return RoleParts(routes=[*routes, *playback_routes_for(rt)], http=True)
+
+
+async def _gateway(rt: Runtime) -> RoleParts:
+    from aivedio.gateway import Gateway
+
+    return RoleParts(http=True, gateway=Gateway(rt.db, rt.settings.gateway(rt.urls.redis_url)))
 
 
 async def _callbacks(rt: Runtime) -> RoleParts:
@@ -65,12 +74,27 @@ async def _inbox(rt: Runtime) -> RoleParts:
     return await inbox_role(rt)
 
 
+async def _media(rt: Runtime) -> RoleParts:
+    from aivedio.media.role import media_role
+
+    return await media_role(rt)
+
+
+async def _billing(rt: Runtime) -> RoleParts:
+    from aivedio.billing.role import billing_role
+
+    return await billing_role(rt)
+
+
 # The roles this build has. The operator contract names more (see cli.ROLES); they are added here
 # as they are built.
 AVAILABLE: dict[str, RoleFactory] = {
     "api": _api,
     "callbacks": _callbacks,
     "inbox": _inbox,
+    "gateway": _gateway,
+    "media": _media,
+    "billing": _billing,
 }
 
 
@@ -130,28 +154,15 @@ async def serve(rt: Runtime, roles: Sequence[str], port: int) -> int:
     for p in parts:
         for fn in p.loops:
             start(fn(stopping))
-    server = None
-    if any(p.http for p in parts):
+    http = any(p.http for p in parts)
+    if http:
         routes = [r for p in parts for r in p.routes]
         app = create_app(rt.db, rt.tasks, rt.settings.api, extra_routes=routes)
-        server = EmbeddedServer(
-            uvicorn.Config(
-                app,
-                host=rt.settings.host,
-                port=port,
-                lifespan="off",
-                http="httptools",
-                access_log=False,
-                log_config=None,
-                timeout_graceful_shutdown=10,
-            )
-        )
-        start(server.serve())
-    log(logger, logging.INFO, "roles running", roles=list(roles), port=port if server else None)
+        gateway = next((p.gateway for p in parts if p.gateway is not None), None)
+        start(serve_http(app, rt.settings.host, port, gateway, stopping))
+    log(logger, logging.INFO, "roles running", roles=list(roles), port=port if http else None)
     await stopping.wait()
     log(logger, logging.INFO, "stopping", roles=list(roles))
-    if server is not None:
-        server.should_exit = True
     await asyncio.gather(*jobs, return_exceptions=True)
     for part in parts:
         for hook in part.on_stop:

@@ -172,7 +172,7 @@ def protocol_class(gateway: Gateway) -> type[SniffingProtocol]:
     return type("GatewaySniffingProtocol", (SniffingProtocol,), {"gateway": gateway})
 
 
-class _Server(uvicorn.Server):
+class QuietServer(uvicorn.Server):
     """Leaves signal handling to the process (several roles share one loop)."""
 
     @contextlib.contextmanager
@@ -201,7 +201,7 @@ async def serve_http(
     Starts the gateway's background work first; on stop, drains its streams (closing them with
     ``shutdown``, spread over ``drain_s``) before uvicorn's own graceful shutdown.
     """
-    server = _Server(http_config(app, host, port, gateway))
+    server = QuietServer(http_config(app, host, port, gateway))
     if gateway is not None:
         await gateway.start()
     serving = asyncio.create_task(server.serve())
