@@ -125,6 +125,19 @@ def _cmd_inbox(args: argparse.Namespace, settings: Settings) -> int:
     return asyncio.run(go())
 
 
+def _cmd_bus(args: argparse.Namespace, settings: Settings) -> int:
+    from aivedio.bus import BusConfig
+    from aivedio.propagation.dead_letters import dead_letters_command, replay_command
+    from aivedio.runtime import resolve_urls
+
+    config = BusConfig(url=resolve_urls(settings).nats_url)
+    if args.bus_command == "dead-letters":
+        code: int = asyncio.run(dead_letters_command(config, args.group, args.limit))
+    else:
+        code = asyncio.run(replay_command(config, args.group, args.id))
+    return code
+
+
 async def _database(settings: Settings) -> Database:
     from aivedio.admin import resolve_database_url
     from aivedio.db.pool import Database
@@ -175,6 +188,17 @@ def build_parser() -> argparse.ArgumentParser:
     requeue = inbox_sub.add_parser("replay", help="requeue one inbox row")
     requeue.add_argument("id", type=int)
     requeue.set_defaults(func=_cmd_inbox)
+
+    bus = sub.add_parser("bus", help="message bus operations")
+    bus_sub = bus.add_subparsers(dest="bus_command", required=True)
+    letters = bus_sub.add_parser("dead-letters", help="list a group's dead letters (JSON lines)")
+    letters.add_argument("--group", required=True)
+    letters.add_argument("--limit", type=int, default=100)
+    letters.set_defaults(func=_cmd_bus)
+    again = bus_sub.add_parser("replay", help="deliver one dead letter again to its group only")
+    again.add_argument("--group", required=True)
+    again.add_argument("id")
+    again.set_defaults(func=_cmd_bus)
 
     sandbox = sub.add_parser("sandbox-provider", help="run the fake video provider")
     sandbox.add_argument("--host", default=None)

@@ -94,6 +94,9 @@ class Settings(BaseSettings):
     gateway_max_conns_per_tenant: int = 5000
     gateway_connect_rate_per_s: float = 2000.0
     stream_token_ttl_s: int = 60
+    poll_limits: str = ""
+    poll_replicas: int = 1
+    poll_concurrency: int = 64
 
     def master_secret(self) -> bytes:
         """The key every signing secret is derived from (stream tokens, callback tokens,

@@ -25,6 +25,7 @@ from aivedio.runtime import Runtime, resolve_urls
 
 if TYPE_CHECKING:
     from aivedio.gateway import Gateway
+    from aivedio.providers.base import ProviderAdapter
 
 logger = logging.getLogger("aivedio.roles")
 
@@ -86,6 +87,50 @@ async def _billing(rt: Runtime) -> RoleParts:
     return await billing_role(rt)
 
 
+async def _relay(rt: Runtime) -> RoleParts:
+    from aivedio.propagation.roles import relay_role
+
+    return await relay_role(rt)
+
+
+async def _dispatcher(rt: Runtime) -> RoleParts:
+    from aivedio.propagation.roles import dispatcher_role
+
+    return await dispatcher_role(rt)
+
+
+async def _poller(rt: Runtime) -> RoleParts:
+    from aivedio.polling.role import poller_role
+
+    return await poller_role(rt)
+
+
+async def _with_adapters(
+    rt: Runtime, loops_for: Callable[[dict[str, ProviderAdapter]], list[Loop]]
+) -> RoleParts:
+    from aivedio.providers.registry import build_providers, providers_config
+
+    adapters = build_providers(providers_config(rt.settings))
+
+    async def close() -> None:
+        for adapter in adapters.values():
+            await adapter.aclose()
+
+    return RoleParts(loops=loops_for(adapters), on_stop=[close])
+
+
+async def _submitter(rt: Runtime) -> RoleParts:
+    from aivedio.submission.role import submitter_loops
+
+    return await _with_adapters(rt, lambda a: submitter_loops(rt.db, rt.state, a))
+
+
+async def _reconciler(rt: Runtime) -> RoleParts:
+    from aivedio.submission.role import reconciler_loops
+
+    return await _with_adapters(rt, lambda a: reconciler_loops(rt.db, rt.state, a))
+
+
 # The roles this build has. The operator contract names more (see cli.ROLES); they are added here
 # as they are built.
 AVAILABLE: dict[str, RoleFactory] = {
@@ -93,8 +138,13 @@ AVAILABLE: dict[str, RoleFactory] = {
     "callbacks": _callbacks,
     "inbox": _inbox,
     "gateway": _gateway,
+    "submitter": _submitter,
+    "poller": _poller,
+    "relay": _relay,
+    "dispatcher": _dispatcher,
     "media": _media,
     "billing": _billing,
+    "reconciler": _reconciler,
 }
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 
 from aivedio.bench.common import BenchUsageError, parse_options
 from aivedio.bench.ingest import run as run_ingest
+from aivedio.bench.propagation import run as run_propagation
 from aivedio.bench.transitions import run as run_transitions
 from aivedio.config import Settings
 
@@ -19,6 +20,7 @@ Benchmark = Callable[[Settings, Mapping[str, str]], int]
 BENCHMARKS: dict[str, Benchmark] = {
     "transitions": run_transitions,
     "ingest": run_ingest,
+    "propagation": run_propagation,
 }
 
 
