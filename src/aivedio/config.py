@@ -127,6 +127,14 @@ class Settings(BaseSettings):
     def from_env(cls) -> Settings:
         return cls()
 
+    def listening_on(self, port: int) -> Settings:
+        """These settings for a process that listens on ``port``; unless AIVEDIO_PUBLIC_URL was
+        given, providers call back at this host and port."""
+        update: dict[str, object] = {"port": port}
+        if "public_url" not in self.model_fields_set:
+            update["public_url"] = f"http://{self.host}:{port}"
+        return self.model_copy(update=update)
+
     def database(self, url: str | None = None) -> DatabaseConfig:
         resolved = url or self.database_url
         if resolved is None:

@@ -90,4 +90,5 @@ async def _demo(settings: Settings, port: int) -> int:
 
 
 def run_demo(settings: Settings, port: int | None = None) -> int:
-    return asyncio.run(_demo(settings, port or settings.port))
+    port = port or settings.port
+    return asyncio.run(_demo(settings.listening_on(port), port))

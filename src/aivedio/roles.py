@@ -167,9 +167,11 @@ async def run_roles(settings: Settings, roles: Sequence[str], port: int | None =
             available=sorted(AVAILABLE),
         )
         return 2
+    port = port or settings.port
+    settings = settings.listening_on(port)
     rt = await Runtime.open(settings, resolve_urls(settings))
     try:
-        return await serve(rt, wanted, port or settings.port)
+        return await serve(rt, wanted, port)
     finally:
         await rt.close()
 

@@ -113,9 +113,28 @@ def test_unknown_role_is_refused(env: dict[str, str]) -> None:
     assert "unknown role" in out.stderr
 
 
-def test_demo_serves_the_api_and_the_sandbox_provider(
+def read_events_until_ready(url: str, headers: dict[str, str], task_id: list[str]) -> list[dict]:
+    """Read the project's SSE stream until the task (id filled in by the caller) is ready."""
+    seen: list[dict] = []
+    with httpx.stream("GET", url, headers=headers, timeout=httpx.Timeout(5, read=60)) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                event = json.loads(line[6:])
+                seen.append(event)
+                if task_id and event["task_id"] == task_id[0] and event["status"] == "ready":
+                    return seen
+    raise AssertionError("the stream ended before the task was ready")
+
+
+def test_demo_runs_a_task_from_create_to_ready_on_the_stream(
     env: dict[str, str], started: list[subprocess.Popen[str]]
 ) -> None:
+    """The whole chain in the demo process: API -> submitter -> sandbox provider -> webhook ->
+    inbox -> state -> outbox -> JetStream -> dispatcher -> Redis -> SSE, media and billing."""
+    import threading
+
     port, sandbox_port = free_port(), free_port()
     demo_env = env | {
         "AIVEDIO_PORT": str(port),
@@ -125,19 +144,50 @@ def test_demo_serves_the_api_and_the_sandbox_provider(
         [sys.executable, "-m", "aivedio", "demo"],
         env=demo_env,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
         text=True,
     )
     started.append(proc)
     assert proc.stdout is not None
     first = json.loads(proc.stdout.readline())
-    wait_ready(f"http://127.0.0.1:{port}/readyz", proc)
+    base = f"http://127.0.0.1:{port}"
+    wait_ready(f"{base}/readyz", proc)
     wait_ready(f"http://127.0.0.1:{sandbox_port}/healthz", proc)
+    headers = {"Authorization": f"Bearer {first['api_key']}"}
+    project = first["project_id"]
+
+    # subscribe first (seed 004), then create
+    task_id: list[str] = []
+    events: list[dict] = []
+    reader = threading.Thread(
+        target=lambda: events.extend(
+            read_events_until_ready(f"{base}/v1/projects/{project}/events", headers, task_id)
+        ),
+        daemon=True,
+    )
+    reader.start()
+    time.sleep(1)
     r = httpx.post(
-        f"http://127.0.0.1:{port}/v1/projects/{first['project_id']}/tasks",
-        headers={"Authorization": f"Bearer {first['api_key']}", "Idempotency-Key": "demo-1"},
-        json={"provider": "sandbox", "model": "m", "prompt": "p", "params": {}},
+        f"{base}/v1/projects/{project}/tasks",
+        headers=headers | {"Idempotency-Key": "demo-1"},
+        json={
+            "provider": "sandbox",
+            "model": "m",
+            "prompt": "p",
+            "params": {"sandbox": {"duration_s": 0.5, "steps": 2}},
+        },
     )
     assert r.status_code == 202
+    task_id.append(r.json()["task"]["id"])
+    reader.join(timeout=60)
+    snapshot = httpx.get(f"{base}/v1/projects/{project}/tasks/{task_id[0]}", headers=headers)
+    assert not reader.is_alive(), f"no ready event within 60 s: {events} {snapshot.text}"
+    mine = [e for e in events if e["task_id"] == task_id[0]]
+    versions = [e["task_version"] for e in mine]
+    assert versions == sorted(set(versions))
+    assert mine[-1]["status"] == "ready"
+    assert mine[-1]["asset_id"] is not None
+    snapshot = httpx.get(f"{base}/v1/projects/{project}/tasks/{task_id[0]}", headers=headers)
+    assert snapshot.json()["task"]["status"] == "ready"
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=20) == 0
+    assert proc.wait(timeout=30) == 0

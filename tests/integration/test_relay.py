@@ -21,7 +21,13 @@ from aivedio.propagation.dispatcher import (
     NotificationDispatcher,
     broadcast_channel,
 )
-from aivedio.propagation.relay import IDLE_LOCK, NOTIFY_CHANNEL, OutboxRelay, RelayConfig
+from aivedio.propagation.relay import (
+    IDLE_LOCK,
+    NOTIFY_CHANNEL,
+    OutboxRelay,
+    RelayConfig,
+    dedup_id,
+)
 from aivedio.state.service import StateService
 from tests.integration.helpers import make_project, make_task, store
 from tests.integration.propagation import (
@@ -207,9 +213,10 @@ async def test_failed_publish_is_retried_with_backoff_and_blocks_its_successors(
     _, _, expected = await tasks_with_versions(db, 2, 1)  # v1, v2 of two tasks
     async with db.connection() as conn:
         heads = await conn.fetch(
-            "SELECT id, aggregate_id FROM outbox_events WHERE aggregate_version = 1 ORDER BY id"
+            "SELECT id, aggregate_id, aggregate_version, event_type FROM outbox_events "
+            "WHERE aggregate_version = 1 ORDER BY id"
         )
-    failing = str(heads[0]["id"])
+    failing = dedup_id(heads[0]["event_type"], heads[0]["aggregate_id"], 1)
     flaky = FlakyBus(bus, {failing}, BusUnavailable("broker away"))
     relay = OutboxRelay(db, flaky, RelayConfig(retry_base_s=0.3, retry_max_s=0.3))  # type: ignore[arg-type]
     first = await relay.pump()
@@ -234,11 +241,13 @@ async def test_rejected_row_becomes_dead_after_max_rejections(db: Database, bus:
     project = await make_project(db)
     task_id, _ = await make_task(store(db), project)
     async with db.connection() as conn:
-        row_id = await conn.fetchval("SELECT id FROM outbox_events WHERE aggregate_id=$1", task_id)
+        version = await conn.fetchval(
+            "SELECT aggregate_version FROM outbox_events WHERE aggregate_id=$1", task_id
+        )
     flaky = FlakyBus(bus, set(), BusError("message too large"))
     relay = OutboxRelay(db, flaky, RelayConfig(retry_base_s=0.0, max_rejections=2))  # type: ignore[arg-type]
     for _ in range(2):
-        flaky.fail.add(str(row_id))
+        flaky.fail.add(dedup_id("task.status.changed", task_id, version))
         assert (await relay.pump()).rejected == 1
     assert await outbox_counts(db) == {"dead": 1}
 

@@ -88,6 +88,17 @@ DB_ERRORS: tuple[type[BaseException], ...] = (
 AfterPublish = Callable[[Sequence[asyncpg.Record]], Awaitable[None]]
 
 
+def dedup_id(event_type: str, aggregate_id: object, aggregate_version: int) -> str:
+    """The broker's dedup id of one outbox row: its business key, not the row id.
+
+    Row ids are only unique within one database: a restored or re-created database (or two test
+    databases sharing a broker) hands out the same ids again, and the broker would drop those
+    events as duplicates for the whole duplicate window. (task, version, type) is unique for
+    good and the same for every retry of the row.
+    """
+    return f"{event_type}:{aggregate_id}:{aggregate_version}"
+
+
 @dataclass(frozen=True, slots=True)
 class RelayConfig:
     batch_size: int = 1000
@@ -149,7 +160,7 @@ class OutboxRelay:
                 OutgoingMessage(
                     topic=cfg.topic(r["event_type"]),
                     key=str(r["aggregate_id"]),
-                    dedup_id=str(r["id"]),
+                    dedup_id=dedup_id(r["event_type"], r["aggregate_id"], r["aggregate_version"]),
                     payload=r["payload"].encode(),
                 )
                 for r in rows
