@@ -85,4 +85,3 @@ def test_once_terminal_always_terminal(script: Script) -> None:
     first_terminal = next((i for i, s in enumerate(statuses) if is_terminal(s)), None)
     if first_terminal is not None:
         assert len(set(statuses[first_terminal:])) == 1
-

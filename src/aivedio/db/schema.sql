@@ -411,16 +411,3 @@ ALTER TABLE task_attempts
 
 CREATE INDEX idx_attempts_poll_due ON task_attempts (next_poll_at)
     WHERE next_poll_at IS NOT NULL AND provider_task_id IS NOT NULL;
-
--- Poller bookkeeping on attempts and the due index (migration 0006); see the migration for notes.
-ALTER TABLE task_attempts
-    ADD COLUMN poll_lease_token  UUID,
-    ADD COLUMN poll_unchanged    INTEGER     NOT NULL DEFAULT 0,
-    ADD COLUMN poll_interval_s   REAL,
-    ADD COLUMN poll_started_at   TIMESTAMPTZ,
-    ADD COLUMN polled_at         TIMESTAMPTZ,
-    ADD COLUMN poll_error        TEXT,
-    ADD COLUMN poll_error_sample TEXT;
-
-CREATE INDEX idx_attempts_poll_due ON task_attempts (next_poll_at)
-    WHERE next_poll_at IS NOT NULL AND provider_task_id IS NOT NULL;
