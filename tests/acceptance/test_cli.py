@@ -188,6 +188,12 @@ def test_demo_runs_a_task_from_create_to_ready_on_the_stream(
     assert mine[-1]["status"] == "ready"
     assert mine[-1]["asset_id"] is not None
     snapshot = httpx.get(f"{base}/v1/projects/{project}/tasks/{task_id[0]}", headers=headers)
-    assert snapshot.json()["task"]["status"] == "ready"
+    task = snapshot.json()["task"]
+    assert task["status"] == "ready"
+    # the playback path re-checks the caller, then hands out a short-lived link to a real file
+    link = httpx.get(base + task["asset"]["playback_url"], headers=headers).json()
+    video = httpx.get(link["url"])
+    assert video.status_code == 200
+    assert video.content[4:8] == b"ftyp"  # an MP4
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0

@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 
 from aivedio.bench.common import BenchUsageError, parse_options
 from aivedio.bench.ingest import run as run_ingest
+from aivedio.bench.polling import run as run_polling
 from aivedio.bench.propagation import run as run_propagation
 from aivedio.bench.transitions import run as run_transitions
 from aivedio.config import Settings
@@ -21,6 +22,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "transitions": run_transitions,
     "ingest": run_ingest,
     "propagation": run_propagation,
+    "polling": run_polling,
 }
 
 

@@ -1,9 +1,7 @@
 """The ``poller`` role: one poll scheduler (claim loop + query workers) per process.
 
-Register in ``roles.AVAILABLE`` as ``"poller": poller_role``. Configuration comes from the
-runtime's settings (:func:`poller_config`): the adapters of ``providers.registry``, Redis at
-``urls.redis_url`` (rate-limit buckets, online interest), and these optional ``Settings`` fields
-when the settings define them (defaults otherwise):
+Configuration comes from the runtime's settings (:func:`poller_config`): the adapters of
+``providers.registry``, Redis at ``urls.redis_url`` (rate-limit buckets, online interest), and:
 
 - ``poll_limits: str`` — ``AIVEDIO_POLL_LIMITS``, see :func:`aivedio.polling.config.parse_limits`;
 - ``poll_replicas: int`` — ``AIVEDIO_POLL_REPLICAS``, poller processes sharing the limits;
@@ -30,11 +28,8 @@ if TYPE_CHECKING:
 
 def poller_config(settings: Settings) -> PollerConfig:
     """The poller's config from the settings (fields read only when the settings have them)."""
-    limits_text = str(getattr(settings, "poll_limits", "") or "")
-    replicas = int(getattr(settings, "poll_replicas", 1) or 1)
-    concurrency = int(getattr(settings, "poll_concurrency", 64) or 64)
-    limits = parse_limits(limits_text, RateLimitConfig(replicas=replicas))
-    return PollerConfig(concurrency=concurrency, limits=limits)
+    limits = parse_limits(settings.poll_limits, RateLimitConfig(replicas=settings.poll_replicas))
+    return PollerConfig(concurrency=settings.poll_concurrency, limits=limits)
 
 
 async def poller_role(rt: Runtime, config: PollerConfig | None = None) -> RoleParts:

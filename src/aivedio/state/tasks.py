@@ -79,7 +79,9 @@ def snapshot_of(row: asyncpg.Record | dict[str, Any], epoch: int, head: int) -> 
         error = {**error, "trace_id": row["trace_id"]}
     asset = None
     if row["asset_id"] is not None:
-        asset = {"id": str(row["asset_id"]), "playback_url": None}
+        # Not the file: an API path that checks the caller again and issues a short-lived link.
+        playback = f"/v1/projects/{row['project_id']}/assets/{row['asset_id']}/playback"
+        asset = {"id": str(row["asset_id"]), "playback_url": playback}
     return {
         "id": str(row["id"]),
         "project_id": str(row["project_id"]),
