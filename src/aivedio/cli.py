@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import getpass
 import json
 import sys
+import uuid
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -138,6 +140,35 @@ def _cmd_bus(args: argparse.Namespace, settings: Settings) -> int:
     return code
 
 
+def _cmd_operator(args: argparse.Namespace, settings: Settings) -> int:
+    """``tasks resubmit`` and ``reconcile list|resolve``: audited operator actions."""
+    from aivedio.errors import Conflict, NotFound
+    from aivedio.reconcile.items import list_items, resolve_item
+    from aivedio.submission.resubmit import resubmit
+
+    async def go() -> int:
+        db = await _database(settings)
+        try:
+            if args.command == "tasks":
+                done = await resubmit(db, args.task_id, args.reason, args.operator)
+                _print_json(done.as_dict())
+            elif args.reconcile_command == "list":
+                state = None if args.state == "all" else args.state
+                for item in await list_items(db, state, args.limit):
+                    _print_json(item)
+            else:
+                _print_json(await resolve_item(db, args.item_id, args.resolution, args.operator))
+            return 0
+        except (Conflict, NotFound, ValueError) as exc:
+            code = exc.code if isinstance(exc, Conflict) else type(exc).__name__
+            _print_json({"error": code, "message": str(exc)})
+            return 1
+        finally:
+            await db.close()
+
+    return asyncio.run(go())
+
+
 async def _database(settings: Settings) -> Database:
     from aivedio.admin import resolve_database_url
     from aivedio.db.pool import Database
@@ -199,6 +230,28 @@ def build_parser() -> argparse.ArgumentParser:
     again.add_argument("--group", required=True)
     again.add_argument("id")
     again.set_defaults(func=_cmd_bus)
+
+    tasks = sub.add_parser("tasks", help="operator actions on tasks")
+    tasks_sub = tasks.add_subparsers(dest="tasks_command", required=True)
+    again_task = tasks_sub.add_parser(
+        "resubmit", help="audited compensation: a new attempt for a task whose outcome is unknown"
+    )
+    again_task.add_argument("task_id", type=uuid.UUID)
+    again_task.add_argument("--reason", required=True)
+    again_task.add_argument("--operator", default=getpass.getuser())
+    again_task.set_defaults(func=_cmd_operator)
+
+    reconcile = sub.add_parser("reconcile", help="the reconciliation queue")
+    reconcile_sub = reconcile.add_subparsers(dest="reconcile_command", required=True)
+    items = reconcile_sub.add_parser("list", help="reconciliation items (JSON lines)")
+    items.add_argument("--state", choices=("open", "resolved", "all"), default="open")
+    items.add_argument("--limit", type=int, default=100)
+    items.set_defaults(func=_cmd_operator)
+    resolve = reconcile_sub.add_parser("resolve", help="close an item with a resolution")
+    resolve.add_argument("item_id", type=int)
+    resolve.add_argument("--resolution", required=True)
+    resolve.add_argument("--operator", default=getpass.getuser())
+    resolve.set_defaults(func=_cmd_operator)
 
     sandbox = sub.add_parser("sandbox-provider", help="run the fake video provider")
     sandbox.add_argument("--host", default=None)

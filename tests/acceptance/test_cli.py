@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -99,6 +100,27 @@ def test_migrate_create_project_and_run_api(
     assert r.status_code == 202
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=15) == 0
+
+
+def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "aivedio", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_operator_commands_answer_in_json_lines(env: dict[str, str]) -> None:
+    assert run_cli(env, "inbox", "dead-letters").returncode == 0
+    assert run_cli(env, "reconcile", "list", "--state", "all").stdout == ""
+    missing = run_cli(env, "tasks", "resubmit", str(uuid.uuid4()), "--reason", "test")
+    assert missing.returncode == 1
+    assert json.loads(missing.stdout.splitlines()[-1])["error"] == "NotFound"
+    replay = run_cli(env, "inbox", "replay", "123456")
+    assert replay.returncode == 1
+    assert json.loads(replay.stdout.splitlines()[-1]) == {"id": 123456, "requeued": False}
 
 
 def test_unknown_role_is_refused(env: dict[str, str]) -> None:
