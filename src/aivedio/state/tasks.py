@@ -110,6 +110,27 @@ class TaskStore:
         if await conn.fetchval(q("project_of_tenant"), project_id, principal.tenant_id) is None:
             raise NotFound("project")
 
+    async def _lock_for(
+        self,
+        conn: asyncpg.Connection,
+        principal: Principal,
+        project_id: uuid.UUID,
+        task_id: uuid.UUID,
+        allowed: frozenset[Status],
+        command: str,
+    ) -> asyncpg.Record:
+        """Lock the task for a command; 404 if it is not the caller's, 409 from a status where
+        the command makes no sense (``not_cancelable`` / ``not_retryable``)."""
+        await self._require_project(conn, principal, project_id)
+        row = await conn.fetchrow(q("lock_task"), task_id, project_id)
+        if row is None:
+            raise NotFound("task")
+        status = Status(row["status"])
+        if status not in allowed:
+            public = STATUS_TABLE[status].public
+            raise Conflict(f"not_{command}able", f"{command} is not possible in status {public}")
+        return row
+
     # -- commands -------------------------------------------------------------------------
 
     async def create(
@@ -202,17 +223,9 @@ class TaskStore:
     ) -> dict[str, Any]:
         """Ask for cancellation: ``cancel_requested`` until the provider confirms."""
         async with self.db.transaction() as conn:
-            await self._require_project(conn, principal, project_id)
-            row = await conn.fetchrow(q("lock_task"), task_id, project_id)
-            if row is None:
-                raise NotFound("task")
-            status = Status(row["status"])
-            if status not in CANCELABLE and status is not Status.CANCEL_REQUESTED:
-                raise Conflict(
-                    "not_cancelable",
-                    f"a task in status {STATUS_TABLE[status].public} cannot be canceled",
-                )
-            if status is not Status.CANCEL_REQUESTED:
+            allowed = CANCELABLE | {Status.CANCEL_REQUESTED}  # asking again answers the same
+            row = await self._lock_for(conn, principal, project_id, task_id, allowed, "cancel")
+            if row["status"] != Status.CANCEL_REQUESTED:
                 applied = await self.state.apply_in(
                     conn,
                     PlatformObservation(
@@ -233,16 +246,7 @@ class TaskStore:
     ) -> dict[str, Any]:
         """A new attempt for a failed or canceled task (see ``RETRYABLE``)."""
         async with self.db.transaction() as conn:
-            await self._require_project(conn, principal, project_id)
-            row = await conn.fetchrow(q("lock_task"), task_id, project_id)
-            if row is None:
-                raise NotFound("task")
-            status = Status(row["status"])
-            if status not in RETRYABLE:
-                raise Conflict(
-                    "not_retryable",
-                    f"a task in status {STATUS_TABLE[status].public} cannot be retried",
-                )
+            row = await self._lock_for(conn, principal, project_id, task_id, RETRYABLE, "retry")
             attempt_no = await conn.fetchval(q("max_attempt_no"), task_id) + 1
             attempt_id = uuid.uuid4()
             await conn.execute(
