@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,3 +35,15 @@ class GatewayConfig:
     connect_burst: int = 4000
     drain_s: float = 5.0  # shutdown closes connections spread over this many seconds
     counter_ttl_factor: float = 2.0  # per-user/tenant counter TTL = factor * session cap
+    # WebSocket: browsers' Origins allowed to upgrade (() = same origin as the Host header only;
+    # the CLI should pass the public URL's origin, ``origin_of(public_url)``). A request without
+    # Origin (not a browser) is allowed only with an API key, never with the cookie.
+    ws_allowed_origins: tuple[str, ...] = ()
+    ws_max_message: int = 4096  # incoming frame / reassembled message cap -> close 1009
+    ws_close_timeout_s: float = 2.0  # after our close frame, wait this long for the client's
+
+
+def origin_of(url: str) -> str:
+    """``scheme://host[:port]`` of a URL, as browsers send it in ``Origin``."""
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}".lower()

@@ -1,4 +1,6 @@
-"""SSE bytes: every frame is encoded once and the same ``bytes`` written to every connection."""
+"""Frame bytes: every frame is encoded once per node and the same ``bytes`` written to every
+connection. An ``Event`` carries its SSE frame (encoded at once) and its WebSocket frame (encoded
+on first use by a WebSocket connection, then cached on the event)."""
 
 from __future__ import annotations
 
@@ -32,16 +34,23 @@ RESPONSE_HEAD = (
 
 @dataclass(slots=True)
 class Event:
-    """One task event of one project, with its frame already encoded.
+    """One task event of one project, with its SSE frame already encoded.
 
     ``coalesce`` is ``(task_id, status, stage)`` for a non-final event: a queued event with the
     same key is only older progress and may be replaced by this one. Final events have ``None``.
+    A control frame (``reset``, ``start``, a command reply) is an event with ``seq`` 0 and
+    ``kind`` naming it; ``data`` is its JSON body (the public payload for ``task.status``), ``ws``
+    its WebSocket frame once one connection needed it.
     """
 
     seq: int
     task_id: str
     frame: bytes
     coalesce: tuple[str, str, str] | None
+    epoch: int = 0
+    data: dict[str, Any] | None = None
+    kind: str = "task.status"
+    ws: bytes | None = None
 
 
 def dumps(value: Any) -> str:
@@ -55,7 +64,47 @@ def make_event(epoch: int, seq: int, public: dict[str, Any]) -> Event:
     status = str(payload["status"])
     frame = f"id: {epoch}-{seq}\nevent: task.status\ndata: {dumps(payload)}\n\n".encode()
     final = status in FINAL_PUBLIC_STATUSES
-    return Event(seq, task_id, frame, None if final else (task_id, status, str(payload["stage"])))
+    coalesce = None if final else (task_id, status, str(payload["stage"]))
+    return Event(seq, task_id, frame, coalesce, epoch, payload)
+
+
+def ws_message(event: Event) -> dict[str, Any]:
+    """The JSON of an event's WebSocket text frame (seed §12.5.7)."""
+    data = event.data or {}
+    if event.kind != "task.status":
+        return {"type": event.kind, **data}
+    return {
+        "type": "task.status",
+        "event_id": event.seq,
+        "cursor": f"{event.epoch}-{event.seq}",
+        "task_id": data.get("task_id"),
+        "task_version": data.get("task_version"),
+        "payload": {k: data.get(k) for k in WS_PAYLOAD_FIELDS},
+    }
+
+
+WS_PAYLOAD_FIELDS = ("status", "stage", "progress", "asset_id", "error")
+
+
+def control(kind: str, sse: bytes, data: dict[str, Any]) -> Event:
+    """A frame outside the event sequence (seq 0), in both encodings."""
+    return Event(0, "", sse, None, 0, data, kind)
+
+
+def reset_event(epoch: int, head: int, reason: str) -> Event:
+    return control(
+        "reset", reset_frame(epoch, head, reason), {"reason": reason, "cursor": f"{epoch}-{head}"}
+    )
+
+
+def start_event(epoch: int, head: int) -> Event:
+    return control("start", start_comment(epoch, head), {"cursor": f"{epoch}-{head}"})
+
+
+def reply_event(data: dict[str, Any]) -> Event:
+    """A WebSocket command's ``ack`` or ``error`` (SSE has no commands: no SSE bytes)."""
+    kind = str(data.pop("type"))
+    return control(kind, b"", data)
 
 
 def retry_frame(retry_ms: int) -> bytes:
@@ -91,6 +140,7 @@ def error_response(status: int, code: str, message: str, headers: dict[str, str]
         403: "Forbidden",
         404: "Not Found",
         405: "Method Not Allowed",
+        426: "Upgrade Required",
         429: "Too Many Requests",
         431: "Request Header Fields Too Large",
         503: "Service Unavailable",

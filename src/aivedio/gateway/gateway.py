@@ -1,8 +1,11 @@
-"""The gateway: accepts SSE requests handed over by the HTTP server and runs their lifecycle.
+"""The gateway: accepts SSE requests and WebSocket upgrades handed over by the HTTP server and
+runs their lifecycle; both transports share everything below.
 
-Open: connect rate -> parse -> authenticate (tenant + project) -> per-user/tenant limits ->
-response head + ``retry:`` -> join the project stream (subscribe FIRST) -> read the position ->
-replay or ``reset`` -> live. Close: one log line with reason and duration (seed 004).
+Open: connect rate -> parse -> (WebSocket: Origin allow-list) -> authenticate (tenant + project)
+-> per-user/tenant limits -> response head + ``retry:`` (SSE) or the 101 answer (WebSocket) ->
+join the project stream (subscribe FIRST) -> read the position -> replay or ``reset`` -> live.
+WebSocket commands (subscribe, unsubscribe, resume) are handled here too.
+Close: one log line with reason and duration (seed 004).
 Background: the Redis subscription, the heartbeat wheel, the tail check, credential re-checks,
 batched counter releases.
 """
@@ -23,19 +26,23 @@ from aivedio.errors import DatabaseUnavailable
 from aivedio.gateway import frames, metrics
 from aivedio.gateway.auth import Refused, StreamTokens, authenticate
 from aivedio.gateway.closecodes import CloseReason
-from aivedio.gateway.config import GatewayConfig
+from aivedio.gateway.commands import Command, CommandError, parse_command
+from aivedio.gateway.config import GatewayConfig, origin_of
 from aivedio.gateway.hub import Hub
 from aivedio.gateway.limits import ConnectionCounters, ConnectRate
-from aivedio.gateway.protocol import BadRequest, SseRequest, parse_head
+from aivedio.gateway.protocol import BadRequest, Cursor, StreamRequest, parse_head
 from aivedio.gateway.resume import resume
-from aivedio.gateway.session import Identity, Session
+from aivedio.gateway.session import NOTHING, Identity, Session
 from aivedio.gateway.store import EventStore
 from aivedio.gateway.tailcheck import TailCheck
 from aivedio.gateway.timers import Wheel
 from aivedio.gateway.transport import SseTransport
+from aivedio.gateway.websocket import WsTransport
 from aivedio.logs import log
 
 logger = logging.getLogger("aivedio.gateway")
+
+StreamTransport = SseTransport | WsTransport
 
 
 class Gateway:
@@ -106,8 +113,9 @@ class Gateway:
 
     # -- open ----------------------------------------------------------------------------
 
-    def accept(self, transport: SseTransport, head: bytes) -> None:
-        """A complete SSE request head arrived on ``transport`` (synchronous; spawns the open)."""
+    def accept(self, transport: StreamTransport, head: bytes) -> None:
+        """A complete stream request head arrived on ``transport`` (synchronous; spawns the
+        open). The server picked the transport by path; ``parse_head`` checks the rest."""
         if self.draining:
             self._refuse(
                 transport, 503, "shutdown", "the gateway is shutting down", {"Retry-After": "1"}
@@ -126,15 +134,34 @@ class Gateway:
         try:
             req = parse_head(head)
         except BadRequest as exc:
-            self._refuse(transport, 400, "bad_request", str(exc), {})
+            self._refuse(transport, exc.status, "bad_request", str(exc), exc.headers)
+            return
+        if req.websocket != isinstance(transport, WsTransport):
+            self._refuse(transport, 400, "bad_request", "not a stream request", {})
+            return
+        if req.websocket and not self.origin_allowed(req):
+            self._refuse(transport, 403, "origin_not_allowed", "this Origin may not connect", {})
             return
         task = asyncio.create_task(self._open(transport, req))
         self._opening.add(task)
         task.add_done_callback(self._opening.discard)
 
+    def origin_allowed(self, req: StreamRequest) -> bool:
+        """The WebSocket Origin allow-list (cross-site WebSocket hijacking: a browser sends its
+        cookie with any page's WebSocket, so the Origin decides). No Origin means no browser:
+        allowed only with an API key, never with the cookie."""
+        if req.origin is None:
+            return req.bearer is not None and req.token is None
+        origin = req.origin.lower()
+        allowed = self.config.ws_allowed_origins
+        if allowed:
+            return any(origin == o.lower().rstrip("/") for o in allowed)
+        host = (req.host or "").lower()
+        return bool(host) and origin_of(origin).partition("://")[2] == host
+
     def _refuse(
         self,
-        transport: SseTransport,
+        transport: StreamTransport,
         status: int,
         code: str,
         message: str,
@@ -143,7 +170,7 @@ class Gateway:
         metrics.REFUSED.labels(code).inc()
         transport.reject(status, code, message, headers)
 
-    async def _open(self, transport: SseTransport, req: SseRequest) -> None:
+    async def _open(self, transport: StreamTransport, req: StreamRequest) -> None:
         session: Session | None = None
         try:
             try:
@@ -172,15 +199,20 @@ class Gateway:
             if counted is False:
                 self.uncounted.add(session)
             transport.session = session
-            transport.write_many([frames.RESPONSE_HEAD, frames.retry_frame(self.config.retry_ms)])
+            if isinstance(transport, WsTransport):
+                assert req.ws_key is not None
+                transport.commands = self.command
+                transport.upgrade(req.ws_key)
+            else:
+                transport.begin(self.config.retry_ms)
             stream, joined_at = await self.hub.join(session)
             if session.closed is not None:
                 self.hub.leave(session)
                 return
             self.by_key.setdefault(identity.key_id, set()).add(session)
             self.wheel.add(session)
-            metrics.CONNECTIONS.labels("sse").inc()
-            metrics.OPENED.labels("sse").inc()
+            metrics.CONNECTIONS.labels(transport.kind).inc()
+            metrics.OPENED.labels(transport.kind).inc()
             position = await self.store.position(req.project_id)
             if position is None:
                 session.close(CloseReason.FORBIDDEN)
@@ -193,7 +225,9 @@ class Gateway:
             else:
                 session.close(CloseReason.SERVER_ERROR)
 
-    def _session(self, transport: SseTransport, req: SseRequest, identity: Identity) -> Session:
+    def _session(
+        self, transport: StreamTransport, req: StreamRequest, identity: Identity
+    ) -> Session:
         cap = self.config.session_cap_s * random.uniform(0.8, 1.0)
         return Session(
             transport,
@@ -204,6 +238,57 @@ class Gateway:
             req.task_id,
             time.monotonic() + cap,
         )
+
+    # -- WebSocket commands --------------------------------------------------------------
+
+    def command(self, session: Session, text: str) -> None:
+        """A client's text frame (synchronous: the reply is written in order with events)."""
+        try:
+            cmd = parse_command(text)
+        except CommandError as exc:
+            self._reply(session, exc.request_id, exc.code, exc.message)
+            return
+        if cmd.type == "subscribe":
+            session.task_filter = cmd.task_id
+        elif cmd.type == "unsubscribe":
+            session.task_filter = NOTHING
+        elif session.backlog is not None or session.pending is not None:
+            self._reply(session, cmd.request_id, "busy", "a replay or a backlog is in progress")
+            return
+        else:
+            self._reply(session, cmd.request_id)
+            assert cmd.after is not None
+            task = asyncio.create_task(self._resume_command(session, cmd, cmd.after))
+            self._opening.add(task)
+            task.add_done_callback(self._opening.discard)
+            return
+        self._reply(session, cmd.request_id)
+
+    def _reply(
+        self, session: Session, request_id: str | int | None, code: str = "", message: str = ""
+    ) -> None:
+        data: dict[str, object] = {"type": "error" if code else "ack", "request_id": request_id}
+        if code:
+            data |= {"code": code, "message": message}
+        session.write_control(frames.reply_event(data))
+
+    async def _resume_command(self, session: Session, cmd: Command, after: Cursor) -> None:
+        """``resume`` on an open connection: the same algorithm as on connect (the session is
+        already subscribed; from now on live events wait in its backlog)."""
+        stream = self.hub.streams.get(session.project_id)
+        if stream is None or session.closed is not None:
+            return
+        session.backlog = []
+        joined_at = stream.last
+        try:
+            position = await self.store.position(session.project_id)
+            if position is None:
+                session.close(CloseReason.FORBIDDEN)
+                return
+            await resume(session, stream, after, position, joined_at, self.store, self.config)
+        except (DatabaseUnavailable, OSError) as exc:
+            log(logger, logging.WARNING, "resume command failed", error=repr(exc))
+            session.close(CloseReason.SERVER_ERROR)
 
     # -- close ---------------------------------------------------------------------------
 
@@ -222,7 +307,7 @@ class Gateway:
         else:
             self.counters.release(session.identity)
         if registered:
-            metrics.CONNECTIONS.labels("sse").dec()
+            metrics.CONNECTIONS.labels(session.transport.kind).dec()
         metrics.CLOSED.labels(reason.label).inc()
         if reason is CloseReason.SLOW:
             metrics.SLOW.inc()
@@ -230,7 +315,7 @@ class Gateway:
             logger,
             logging.INFO,
             "stream closed",
-            transport="sse",
+            transport=session.transport.kind,
             reason=reason.label,
             code=reason.code,
             duration_s=round(time.monotonic() - session.opened_at, 3),

@@ -1,7 +1,8 @@
-"""HTTP request-head parsing for the SSE endpoint (pure: bytes in, ``SseRequest`` out).
+"""HTTP request-head parsing for the stream endpoints (pure: bytes in, ``StreamRequest`` out).
 
-Only ``GET /v1/projects/{project_id}/events`` is read here; every other request is handed to the
-ASGI server untouched (see ``server.py``).
+Only ``GET /v1/projects/{project_id}/events`` (SSE) and ``GET /v1/projects/{project_id}/ws``
+(WebSocket upgrade) are read here; every other request is handed to the ASGI server untouched
+(see ``server.py``).
 """
 
 from __future__ import annotations
@@ -11,13 +12,26 @@ import uuid
 from dataclasses import dataclass
 from urllib.parse import parse_qsl, unquote
 
+from aivedio.gateway.wsframes import valid_key
+
 EVENTS_PATH = re.compile(r"^/v1/projects/([^/?#]+)/events$")
+STREAM_PATH = re.compile(r"^/v1/projects/([^/?#]+)/(events|ws)$")
 PREFIX = b"GET /v1/projects/"
 _CURSOR = re.compile(r"^(\d{1,19})-(\d{1,19})$")
 
 
 class BadRequest(ValueError):
     """The head is not a request this endpoint can answer (answered 400)."""
+
+    status = 400
+    headers: dict[str, str] = {}  # noqa: RUF012 (read-only class defaults)
+
+
+class UpgradeRequired(BadRequest):
+    """A WebSocket handshake of another protocol version (answered 426)."""
+
+    status = 426
+    headers = {"Sec-WebSocket-Version": "13"}  # noqa: RUF012
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,13 +41,23 @@ class Cursor:
 
 
 @dataclass(frozen=True, slots=True)
-class SseRequest:
+class StreamRequest:
     project_id: uuid.UUID
     cursor: Cursor | None  # from ?after= or Last-Event-ID (the query wins)
     task_id: str | None
     token: str | None  # ?token= or the aivedio_stream_token cookie
     bearer: str | None  # Authorization: Bearer <api_key>
     origin: str | None
+    ws_key: str | None = None  # Sec-WebSocket-Key: set for (and only for) a WebSocket upgrade
+    host: str | None = None
+    token_from_cookie: bool = False
+
+    @property
+    def websocket(self) -> bool:
+        return self.ws_key is not None
+
+
+SseRequest = StreamRequest  # the name before the WebSocket endpoint existed
 
 
 def parse_cursor(text: str) -> Cursor:
@@ -55,17 +79,23 @@ def request_line(head: bytes) -> tuple[str, str] | None:
 
 
 def is_events_target(target: str) -> bool:
-    return EVENTS_PATH.match(target.partition("?")[0]) is not None
+    """An SSE or WebSocket stream path (the lean path of ``server.py``)."""
+    return STREAM_PATH.match(target.partition("?")[0]) is not None
 
 
-def parse_head(head: bytes) -> SseRequest:
-    """Parse a complete head (ending in CRLF CRLF) of an SSE request."""
+def is_ws_target(target: str) -> bool:
+    match = STREAM_PATH.match(target.partition("?")[0])
+    return match is not None and match.group(2) == "ws"
+
+
+def parse_head(head: bytes) -> StreamRequest:
+    """Parse a complete head (ending in CRLF CRLF) of an SSE request or WebSocket upgrade."""
     lines = head.decode("latin-1").split("\r\n")
     method, target, _ = ([*lines[0].split(" "), "", "", ""])[:3]
     if method != "GET":
         raise BadRequest("the event stream is read with GET")
     path, _, query = target.partition("?")
-    match = EVENTS_PATH.match(path)
+    match = STREAM_PATH.match(path)
     if match is None:
         raise BadRequest("not an event stream path")
     try:
@@ -91,8 +121,34 @@ def parse_head(head: bytes) -> SseRequest:
             raise BadRequest("task_id is not a UUID") from exc
     scheme, _, credential = headers.get("authorization", "").partition(" ")
     bearer = credential.strip() if scheme.lower() == "bearer" and credential.strip() else None
-    token = params.get("token") or cookies(headers.get("cookie", "")).get("aivedio_stream_token")
-    return SseRequest(project_id, cursor, task_id, token or None, bearer, headers.get("origin"))
+    cookie = cookies(headers.get("cookie", "")).get("aivedio_stream_token") or None
+    token = params.get("token") or cookie
+    ws_key = websocket_key(headers) if match.group(2) == "ws" else None
+    return StreamRequest(
+        project_id,
+        cursor,
+        task_id,
+        token or None,
+        bearer,
+        headers.get("origin") or None,
+        ws_key,
+        headers.get("host"),
+        token_from_cookie=bool(cookie) and not params.get("token"),
+    )
+
+
+def websocket_key(headers: dict[str, str]) -> str:
+    """Check an RFC 6455 opening handshake; its ``Sec-WebSocket-Key``."""
+    if headers.get("upgrade", "").lower() != "websocket":
+        raise BadRequest("a WebSocket upgrade is required")
+    if "upgrade" not in {t.strip().lower() for t in headers.get("connection", "").split(",")}:
+        raise BadRequest("a WebSocket upgrade is required")
+    if headers.get("sec-websocket-version") != "13":
+        raise UpgradeRequired("only WebSocket version 13 is supported")
+    key = headers.get("sec-websocket-key", "")
+    if not valid_key(key):
+        raise BadRequest("Sec-WebSocket-Key is not 16 base64 bytes")
+    return key
 
 
 def cookies(header: str) -> dict[str, str]:

@@ -160,13 +160,14 @@ class ProjectStream:
         self._reset_sessions("other_epoch")
 
     def _reset_sessions(self, reason: str) -> None:
-        frame = frames.reset_frame(self.epoch, self.last, reason)
+        frame = frames.reset_event(self.epoch, self.last, reason)
         for session in tuple(self.sessions):
             metrics.RESETS.labels(reason).inc()
-            if session.backlog is not None:
-                session.backlog = [Event(0, "", frame, None)]  # written by go_live, in order
             session.sent = self.last
-            session.write_control(frame)
+            if session.backlog is not None:
+                session.backlog = [frame]  # written by go_live, in order
+            else:
+                session.write_control(frame)
 
     def close(self) -> None:
         if self._repair is not None:
@@ -201,7 +202,7 @@ async def resume(
     joined; everything after it is in the session's backlog), then go live."""
     if cursor is None:
         session.sent = position.head
-        session.transport.write(frames.start_comment(position.epoch, position.head))
+        session.write_control(frames.start_event(position.epoch, position.head))
     else:
         reason = reset_reason(cursor, position, config.replay_cap)
         if reason is None:
@@ -209,7 +210,7 @@ async def resume(
         else:
             metrics.RESETS.labels(reason).inc()
             session.sent = position.head
-            session.transport.write(frames.reset_frame(position.epoch, position.head, reason))
+            session.write_control(frames.reset_event(position.epoch, position.head, reason))
     if position.head > stream.last:
         stream.repair(position.head)  # this node is behind the stream: catch up now
     while session.sent < joined_at and session.closed is None:

@@ -2,7 +2,8 @@
 
 uvicorn accepts a protocol *class* as ``Config(http=...)``. We give it ``SniffingProtocol``: it
 reads the first request head of a connection; ``GET /v1/projects/{id}/events`` becomes an
-``SseTransport`` owned by the gateway (no ASGI, no task per connection), anything else is handed,
+``SseTransport`` and ``GET /v1/projects/{id}/ws`` a ``WsTransport`` owned by the gateway (no ASGI,
+no task per connection; the gateway answers the upgrade), anything else is handed,
 with the bytes already read, to uvicorn's own HTTP protocol (h11 or httptools) built with the same
 config and server state, exactly as uvicorn's ``AutoZttpProtocol`` hands over after sniffing. So
 uvicorn keeps everything it does (signals aside, which the process owns): Date headers, keep-alive,
@@ -24,8 +25,9 @@ from uvicorn.server import ServerState
 
 from aivedio.gateway import frames
 from aivedio.gateway.gateway import Gateway
-from aivedio.gateway.protocol import PREFIX, is_events_target, request_line
+from aivedio.gateway.protocol import PREFIX, is_events_target, is_ws_target, request_line
 from aivedio.gateway.transport import SseTransport
+from aivedio.gateway.websocket import WsTransport
 
 
 class SniffingProtocol(asyncio.Protocol):
@@ -103,7 +105,7 @@ class SniffingProtocol(asyncio.Protocol):
             if len(buffer) > self.gateway.config.max_head_bytes:
                 self._reject_head()
             return
-        self._to_gateway(buffer[: end + 4])
+        self._to_gateway(buffer[: end + 4], buffer[end + 4 :], is_ws_target(line[1]))
 
     def _inner_idle(self) -> bool:
         """uvicorn's protocol is between requests: the next bytes start a new request."""
@@ -144,7 +146,7 @@ class SniffingProtocol(asyncio.Protocol):
             inner.timeout_keep_alive_task = None
         self.server_state.connections.discard(inner)
 
-    def _to_gateway(self, head: bytes) -> None:
+    def _to_gateway(self, head: bytes, rest: bytes, websocket: bool) -> None:
         self._stop_timer()
         self._detach_inner()
         assert self.transport is not None
@@ -153,10 +155,22 @@ class SniffingProtocol(asyncio.Protocol):
             sock = self.transport.get_extra_info("socket")
             if sock is not None:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, config.socket_send_buffer)
-        sse = SseTransport(self.transport, config.write_high_water, config.write_low_water)
-        self.transport.set_protocol(sse)
+        stream: SseTransport | WsTransport
+        if websocket:
+            stream = WsTransport(
+                self.transport,
+                config.write_high_water,
+                config.write_low_water,
+                config.ws_max_message,
+                config.ws_close_timeout_s,
+            )
+            if rest:
+                stream.data_received(rest)  # read after the upgrade
+        else:
+            stream = SseTransport(self.transport, config.write_high_water, config.write_low_water)
+        self.transport.set_protocol(stream)
         self.buffer = b""
-        self.gateway.accept(sse, head)
+        self.gateway.accept(stream, head)
 
     def _reject_head(self) -> None:
         self._stop_timer()

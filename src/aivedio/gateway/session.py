@@ -1,4 +1,4 @@
-"""One subscriber's stream logic, independent of the transport (SSE now, WebSocket next).
+"""One subscriber's stream logic, independent of the transport (SSE or WebSocket).
 
 A session holds its cursor (``sent``: the last seq written or deliberately skipped), an optional
 task filter, a backlog of live events while it replays from PostgreSQL, and a pending queue only
@@ -33,6 +33,9 @@ class Identity:
 
 class Owner(Protocol):
     def forget(self, session: Session, reason: CloseReason) -> None: ...
+
+
+NOTHING = ""  # a task filter no event matches (a WebSocket client unsubscribed)
 
 
 class Session:
@@ -70,7 +73,7 @@ class Session:
         self.task_filter = task_filter
         self.expires_at = expires_at  # monotonic
         self.opened_at = time.monotonic()
-        self.sent = 0
+        self.sent = 0  # the cursor; with ``task_filter == NOTHING`` no task event is written
         self.backlog: list[Event] | None = []  # live events arriving while replaying
         self.pending: PendingQueue | None = None
         self.paused_at: float | None = None
@@ -106,9 +109,11 @@ class Session:
         if not self.pending.push(event):
             self.close(CloseReason.SLOW)
 
-    def write_control(self, frame: bytes) -> None:
-        """A frame outside the event sequence (``reset``), kept in order with events."""
-        self._send(Event(0, "", frame, None))
+    def write_control(self, event: Event) -> None:
+        """A frame outside the event sequence (``reset``, ``start``, a command reply), kept in
+        order with events."""
+        if self.closed is None:
+            self._send(event)
 
     # -- resume (resume.py) ----------------------------------------------------------------
 
@@ -156,8 +161,10 @@ class Session:
             self.close(CloseReason.SESSION_EXPIRED)
         elif self.paused_at is not None and now - self.paused_at > self.config.stall_timeout_s:
             self.close(CloseReason.SLOW)
+        elif (late := self.transport.overdue(now)) is not None:
+            self.close(late)
         elif self.pending is None and self.backlog is None and self.transport.writable:
-            self.transport.write(ping)
+            self.transport.ping(now, ping)
 
     def close(self, reason: CloseReason) -> None:
         if self.closed is not None:

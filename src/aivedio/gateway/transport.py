@@ -1,8 +1,9 @@
-"""``Transport``: what a session writes to. SSE here; WebSocket is the second implementation.
+"""``Transport``: what a session writes to. SSE here; WebSocket in ``websocket.py``.
 
-A transport is deliberately small: write one pre-encoded frame, write many, close with a named
-reason, say whether the socket is writable. The session logic (ordering, filtering, queueing)
-lives in ``session.py`` and is tested against ``RecordingTransport`` without sockets.
+A transport is deliberately small: pick its encoding of an event, write one pre-encoded frame,
+write many, ping, say whether the peer is overdue, close with a named reason, say whether the
+socket is writable. The session logic (ordering, filtering, queueing, timers) lives in
+``session.py`` and is tested against ``RecordingTransport`` without sockets.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 
 
 class Transport(Protocol):
+    kind: str  # the metrics / log label: "sse", "ws"
+
     @property
     def writable(self) -> bool: ...
 
@@ -29,6 +32,12 @@ class Transport(Protocol):
 
     def write_many(self, frames: Sequence[bytes]) -> None: ...
 
+    def ping(self, now: float, sse_ping: bytes) -> None:
+        """A heartbeat (from the shared wheel; ``sse_ping`` is the tick's SSE comment)."""
+
+    def overdue(self, now: float) -> CloseReason | None:
+        """Why the peer must be closed now (a missing pong), or ``None``."""
+
     def close(self, reason: CloseReason) -> None: ...
 
 
@@ -36,6 +45,7 @@ class SseTransport(asyncio.Protocol):
     """One SSE connection: an asyncio protocol with small buffers, no task of its own."""
 
     __slots__ = ("_closed", "_paused", "session", "transport")
+    kind = "sse"
 
     def __init__(self, transport: asyncio.Transport, high_water: int, low_water: int) -> None:
         self.transport = transport
@@ -85,6 +95,16 @@ class SseTransport(asyncio.Protocol):
         if not self._closed and frames:
             self.transport.writelines(frames)
 
+    def ping(self, now: float, sse_ping: bytes) -> None:
+        self.write(sse_ping)
+
+    def overdue(self, now: float) -> CloseReason | None:
+        return None  # an SSE client sends nothing; a dead one shows as a stalled socket
+
+    def begin(self, retry_ms: int) -> None:
+        """The response head and the ``retry:`` hint: the stream is open."""
+        self.write_many([frames.RESPONSE_HEAD, frames.retry_frame(retry_ms)])
+
     def close(self, reason: CloseReason) -> None:
         if self._closed:
             return
@@ -108,12 +128,21 @@ class SseTransport(asyncio.Protocol):
 
 
 class RecordingTransport:
-    """A fake that records what was written; ``writable`` is settable (unit tests)."""
+    """A fake that records what was written; ``writable`` and ``late`` are settable."""
+
+    kind = "test"
 
     def __init__(self) -> None:
         self.frames: list[bytes] = []
         self.closed: CloseReason | None = None
         self.writable = True
+        self.late: CloseReason | None = None
+
+    def ping(self, now: float, sse_ping: bytes) -> None:
+        self.write(sse_ping)
+
+    def overdue(self, now: float) -> CloseReason | None:
+        return self.late
 
     def frame_of(self, event: Event) -> bytes:
         return event.frame
