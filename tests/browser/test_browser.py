@@ -1,0 +1,160 @@
+"""The demo page and ``aivedio-client.js`` in real Chromium against real aivedio processes.
+
+Seed 004 in a browser: the page opens its stream before it creates a task and keeps it open, so a
+task that finishes in under a second is seen, a completed task does not end the stream, and a
+gateway killed mid-task is survived by resuming from the cursor.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import httpx
+import pytest
+
+from tests.browser.conftest import Stack, start_core
+
+if TYPE_CHECKING:
+    from playwright.sync_api import ConsoleMessage, Locator, Page
+
+pytestmark = pytest.mark.browser
+
+READY_WITHIN_MS = 90_000  # a bound, not a timing assertion
+FAST = '{"sandbox": {"queue_s": 0.1, "duration_s": 0.2, "steps": 1}}'
+
+
+@dataclass
+class Console:
+    """What the page logged: its states and every task view it rendered."""
+
+    lines: list[str] = field(default_factory=list)
+
+    def __call__(self, message: ConsoleMessage) -> None:
+        self.lines.append(message.text)
+
+    def states(self) -> list[str]:
+        return [line.split()[2] for line in self.lines if line.startswith("aivedio state ")]
+
+    def statuses(self, task_id: str) -> list[str]:
+        prefix = f"aivedio task {task_id} "
+        return [line.split()[-1] for line in self.lines if line.startswith(prefix)]
+
+
+def open_page(page: Page, stack: Stack) -> Console:
+    console = Console()
+    page.on("console", console)
+    page.goto(stack.page_url)
+    indicator = page.locator("#live")
+    indicator_state(indicator, "live")
+    return console
+
+
+def indicator_state(indicator: Locator, state: str, timeout_ms: float = 30_000) -> None:
+    from playwright.sync_api import expect
+
+    expect(indicator).to_have_attribute("data-state", state, timeout=timeout_ms)
+
+
+def generate(page: Page, prompt: str, params: str | None = None) -> Locator:
+    """Type a prompt, click Generate; the task's row once the page knows its id."""
+    from playwright.sync_api import expect
+
+    if params is not None:
+        page.locator("details").evaluate("details => { details.open = true; }")
+        page.locator("#params").fill(params)
+    page.locator("#prompt").fill(prompt)
+    page.locator("#generate").click()
+    row = page.locator("#tasks li").filter(has=page.locator(".prompt", has_text=prompt))
+    expect(row).to_have_count(1)
+    return row
+
+
+def wait_ready(row: Locator) -> str:
+    from playwright.sync_api import expect
+
+    expect(row).to_have_attribute("data-status", "ready", timeout=READY_WITHIN_MS)
+    task_id = row.get_attribute("data-task-id")
+    assert task_id is not None
+    return task_id
+
+
+def snapshot_status(stack: Stack, task_id: str) -> str:
+    r = httpx.get(
+        f"{stack.base}/v1/projects/{stack.project_id}/tasks/{task_id}",
+        headers={"Authorization": f"Bearer {stack.api_key}"},
+    )
+    assert r.status_code == 200, r.text
+    return str(r.json()["task"]["status"])
+
+
+def test_the_page_is_served_with_its_client(demo: Stack) -> None:
+    page = httpx.get(f"{demo.base}/")
+    assert page.status_code == 200
+    assert page.headers["content-type"].startswith("text/html")
+    assert page.headers["cache-control"] == "no-cache"
+    client = httpx.get(f"{demo.base}/static/aivedio-client.js")
+    assert client.status_code == 200
+    assert client.headers["content-type"].startswith("text/javascript")
+    assert client.headers["cache-control"] == "no-cache"
+    assert "export function createClient" in client.text
+    assert httpx.get(f"{demo.base}/static/../index.html").status_code == 404
+
+
+def test_a_task_reaches_ready_in_the_page(page: Page, demo: Stack) -> None:
+    console = open_page(page, demo)
+    row = generate(page, "a cat on a skateboard", '{"sandbox": {"duration_s": 1.5, "steps": 3}}')
+    task_id = wait_ready(row)
+    statuses = console.statuses(task_id)
+    assert statuses[-1] == "ready"
+    assert "running" in statuses  # it was followed live, not only read back at the end
+    link = row.locator("a.asset")
+    from playwright.sync_api import expect
+
+    expect(link).to_be_visible()
+    expect(link).to_have_attribute("href", re.compile(r"/v1/media/"))
+    assert snapshot_status(demo, task_id) == "ready"
+    assert console.states() == ["connecting", "live"]
+    shot = os.environ.get("AIVEDIO_SCREENSHOT")
+    if shot:
+        page.screenshot(path=shot, full_page=True)
+
+
+def test_a_task_that_finishes_in_under_a_second_is_seen(page: Page, demo: Stack) -> None:
+    console = open_page(page, demo)
+    task_id = wait_ready(generate(page, "one quick frame", FAST))
+    assert console.statuses(task_id)[-1] == "ready"
+    assert console.states() == ["connecting", "live"]  # seen on the stream, never by polling
+
+
+def test_the_stream_stays_open_after_a_task_completes(page: Page, demo: Stack) -> None:
+    console = open_page(page, demo)
+    first = wait_ready(generate(page, "the first", FAST))
+    second = wait_ready(generate(page, "the second", FAST))
+    assert first != second
+    assert console.statuses(second)[-1] == "ready"
+    # one stream for both: it never closed, so the page never (re)connected again
+    assert console.states() == ["connecting", "live"]
+
+
+def test_the_page_survives_a_gateway_killed_mid_task(page: Page, split: Stack) -> None:
+    from playwright.sync_api import expect
+
+    console = open_page(page, split)
+    row = generate(page, "through a crash", '{"sandbox": {"duration_s": 6, "steps": 3}}')
+    expect(row).to_have_attribute("data-status", "running", timeout=30_000)
+    core = split.procs[-1]
+    core.kill()
+    indicator = page.locator("#live")
+    expect(indicator).not_to_have_attribute("data-state", "live", timeout=30_000)
+    start_core(split)
+    task_id = wait_ready(row)
+    indicator_state(indicator, "live", READY_WITHIN_MS)
+    assert snapshot_status(split, task_id) == "ready"
+    assert console.statuses(task_id)[-1] == "ready"
+    states = console.states()
+    assert states[:2] == ["connecting", "live"]
+    assert states[-1] == "live"
+    assert len(states) > 2  # it did lose the stream, and came back
