@@ -1,5 +1,9 @@
 """A Python client for the task API and the event stream (tests, benchmarks, scripts).
 
+The stream is SSE by default, or the WebSocket endpoint with ``transport="ws"`` (the
+``websockets`` package, imported only then); both yield the same ``Frame`` objects (a WebSocket
+``task.status`` frame is flattened to the SSE data fields; ``raw`` keeps the JSON as received).
+
 Snapshot first, then the stream from the snapshot's cursor; resume by cursor after any
 disconnect; reconnect with full-jitter backoff; on ``event: reset`` re-read the snapshot. A task's
 state is replaced only by a higher ``task_version`` and a seq already seen is ignored, so
@@ -14,9 +18,13 @@ import random
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode
 
 import httpx
+
+if TYPE_CHECKING:
+    from websockets.asyncio.client import ClientConnection
 
 
 class StreamRefused(Exception):
@@ -30,11 +38,13 @@ class StreamRefused(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Frame:
-    """One SSE frame as received: ``event`` is ``task.status``, ``reset`` or ``close``."""
+    """One frame as received: ``event`` is ``task.status``, ``reset`` or ``close`` (WebSocket
+    also ``start``, ``ack``, ``error``); ``id`` is the cursor of a ``task.status``/``reset``."""
 
     event: str
     id: str | None
     data: dict[str, Any]
+    raw: dict[str, Any] | None = None  # a WebSocket frame's JSON, as received
 
     @property
     def seq(self) -> int | None:
@@ -82,6 +92,26 @@ async def parse_sse(lines: AsyncIterator[str]) -> AsyncIterator[Frame]:
             data.append(value)
 
 
+def ws_to_frame(message: dict[str, Any]) -> Frame:
+    """A WebSocket JSON frame as a ``Frame`` (``task.status`` flattened like SSE data)."""
+    kind = str(message.get("type"))
+    if kind == "task.status":
+        data = {
+            "event_id": message["event_id"],
+            "task_id": message["task_id"],
+            "task_version": message["task_version"],
+            **message["payload"],
+        }
+        return Frame(kind, message["cursor"], data, message)
+    return Frame(kind, message.get("cursor") if kind == "reset" else None, message, message)
+
+
+def ws_close_frame(code: int, reason: str) -> Frame:
+    """The server's close frame as an SSE-like ``close`` frame (4000-4499: reconnect)."""
+    reconnect = 4000 <= code < 4500 or code in (1001, 1006, 1011, 1012, 1013)
+    return Frame("close", None, {"code": code, "reason": reason, "reconnect": reconnect})
+
+
 class Client:
     def __init__(
         self,
@@ -90,6 +120,8 @@ class Client:
         project_id: uuid.UUID | str,
         *,
         use_stream_token: bool = False,
+        transport: str = "sse",
+        origin: str | None = None,
         backoff_base_s: float = 0.2,
         backoff_max_s: float = 10.0,
         http: httpx.AsyncClient | None = None,
@@ -97,6 +129,10 @@ class Client:
         self.project_id = str(project_id)
         self.api_key = api_key
         self.use_stream_token = use_stream_token
+        if transport not in ("sse", "ws"):
+            raise ValueError("transport is 'sse' or 'ws'")
+        self.transport = transport
+        self.origin = origin  # WebSocket: the Origin header to send (a browser's page origin)
         self.backoff_base_s = backoff_base_s
         self.backoff_max_s = backoff_max_s
         self.http = http or httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(10.0))
@@ -156,6 +192,10 @@ class Client:
 
     async def connect_once(self, task_id: str | None = None) -> AsyncIterator[Frame]:
         """One connection from the current cursor; yields its frames until it ends."""
+        if self.transport == "ws":
+            async for frame in self._connect_ws(task_id):
+                yield frame
+            return
         params: dict[str, str] = {}
         headers: dict[str, str] = {"Accept": "text/event-stream"}
         if self.view.cursor:
@@ -179,6 +219,65 @@ class Client:
                 self.frames.append(frame)
                 yield frame
 
+    async def ws_target(self, task_id: str | None = None) -> tuple[str, dict[str, str]]:
+        """The WebSocket URL (cursor, filter, token in the query) and headers to connect with."""
+        params: dict[str, str] = {}
+        headers: dict[str, str] = {}
+        if self.view.cursor:
+            params["after"] = self.view.cursor
+        if task_id:
+            params["task_id"] = task_id
+        if self.use_stream_token:
+            params["token"] = await self.stream_token()
+        else:
+            headers |= self.headers
+        base = str(self.http.base_url).rstrip("/")
+        base = "ws" + base.removeprefix("http")  # http -> ws, https -> wss
+        query = f"?{urlencode(params)}" if params else ""
+        return f"{base}/v1/projects/{self.project_id}/ws{query}", headers
+
+    async def open_ws(self, task_id: str | None = None) -> ClientConnection:
+        """An open WebSocket (no compression, 4 KiB frames out are plenty for commands)."""
+        from websockets.asyncio.client import connect
+        from websockets.exceptions import InvalidStatus
+        from websockets.typing import Origin
+
+        url, headers = await self.ws_target(task_id)
+        try:
+            return await connect(
+                url,
+                additional_headers=headers,
+                origin=Origin(self.origin) if self.origin else None,
+                compression=None,
+                proxy=None,
+                max_size=None,
+            )
+        except InvalidStatus as exc:
+            status = exc.response.status_code
+            if status in (400, 401, 403):
+                raise StreamRefused(status, exc.response.body.decode(errors="replace")) from exc
+            raise
+
+    async def _connect_ws(self, task_id: str | None) -> AsyncIterator[Frame]:
+        from websockets.exceptions import ConnectionClosed
+
+        ws = await self.open_ws(task_id)
+        self.connects += 1
+        try:
+            async for message in ws:
+                frame = ws_to_frame(json.loads(message))
+                self.frames.append(frame)
+                yield frame
+        except ConnectionClosed:
+            pass
+        finally:
+            await ws.close()
+        received = ws.protocol.close_rcvd  # None: the socket ended without a close frame
+        if received is not None:
+            frame = ws_close_frame(received.code, received.reason)
+            self.frames.append(frame)
+            yield frame
+
     async def events(self, task_id: str | None = None) -> AsyncIterator[Frame]:
         """Frames applied to ``view``, across reconnects, for as long as the caller iterates."""
         if self.view.cursor is None:
@@ -196,8 +295,15 @@ class Client:
                 retry_after = exc.response.headers.get("retry-after")
                 if retry_after and retry_after.isdigit():
                     await asyncio.sleep(float(retry_after))
-            except (httpx.TransportError, httpx.StreamError):
+            except (httpx.TransportError, httpx.StreamError, OSError):
                 pass
+            except Exception as exc:  # the websockets package's errors (imported lazily)
+                if type(exc).__module__.split(".")[0] != "websockets":
+                    raise
+                response = getattr(exc, "response", None)
+                retry_after = response.headers.get("Retry-After") if response else None
+                if retry_after and retry_after.isdigit():
+                    await asyncio.sleep(float(retry_after))
             failures += 1
             cap = min(self.backoff_max_s, self.backoff_base_s * 2 ** min(failures, 16))
             await asyncio.sleep(random.uniform(0, cap))  # full jitter
@@ -205,7 +311,7 @@ class Client:
     async def _handle(self, frame: Frame) -> bool:
         if frame.event == "reset":
             self.view.cursor = frame.data["cursor"]
-            self.view.last_seq = int(frame.data["head"])
+            self.view.last_seq = int(str(frame.data["cursor"]).rpartition("-")[2])
             await self.snapshot()  # the stream goes on from the reset cursor
             return True
         if frame.event != "task.status" or frame.seq is None:

@@ -27,10 +27,10 @@ from aivedio.gateway import frames, metrics
 from aivedio.gateway.auth import Refused, StreamTokens, authenticate
 from aivedio.gateway.closecodes import CloseReason
 from aivedio.gateway.commands import Command, CommandError, parse_command
-from aivedio.gateway.config import GatewayConfig, origin_of
+from aivedio.gateway.config import GatewayConfig
 from aivedio.gateway.hub import Hub
 from aivedio.gateway.limits import ConnectionCounters, ConnectRate
-from aivedio.gateway.protocol import BadRequest, Cursor, StreamRequest, parse_head
+from aivedio.gateway.protocol import BadRequest, Cursor, StreamRequest, origin_allowed, parse_head
 from aivedio.gateway.resume import resume
 from aivedio.gateway.session import NOTHING, Identity, Session
 from aivedio.gateway.store import EventStore
@@ -139,25 +139,12 @@ class Gateway:
         if req.websocket != isinstance(transport, WsTransport):
             self._refuse(transport, 400, "bad_request", "not a stream request", {})
             return
-        if req.websocket and not self.origin_allowed(req):
+        if req.websocket and not origin_allowed(req, self.config.ws_allowed_origins):
             self._refuse(transport, 403, "origin_not_allowed", "this Origin may not connect", {})
             return
         task = asyncio.create_task(self._open(transport, req))
         self._opening.add(task)
         task.add_done_callback(self._opening.discard)
-
-    def origin_allowed(self, req: StreamRequest) -> bool:
-        """The WebSocket Origin allow-list (cross-site WebSocket hijacking: a browser sends its
-        cookie with any page's WebSocket, so the Origin decides). No Origin means no browser:
-        allowed only with an API key, never with the cookie."""
-        if req.origin is None:
-            return req.bearer is not None and req.token is None
-        origin = req.origin.lower()
-        allowed = self.config.ws_allowed_origins
-        if allowed:
-            return any(origin == o.lower().rstrip("/") for o in allowed)
-        host = (req.host or "").lower()
-        return bool(host) and origin_of(origin).partition("://")[2] == host
 
     def _refuse(
         self,

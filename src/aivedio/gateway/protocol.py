@@ -137,6 +137,20 @@ def parse_head(head: bytes) -> StreamRequest:
     )
 
 
+def origin_allowed(req: StreamRequest, allowed: tuple[str, ...]) -> bool:
+    """The WebSocket Origin allow-list (cross-site WebSocket hijacking: a browser sends its
+    cookie with any page's WebSocket, so the Origin decides). ``allowed`` empty: the same origin
+    as the ``Host`` header only. No Origin means no browser: allowed only with an API key (and no
+    token), never with the cookie."""
+    if req.origin is None:
+        return req.bearer is not None and req.token is None
+    origin = req.origin.lower().rstrip("/")
+    if allowed:
+        return any(origin == o.lower().rstrip("/") for o in allowed)
+    host = (req.host or "").lower()
+    return bool(host) and origin.partition("://")[2] == host
+
+
 def websocket_key(headers: dict[str, str]) -> str:
     """Check an RFC 6455 opening handshake; its ``Sec-WebSocket-Key``."""
     if headers.get("upgrade", "").lower() != "websocket":

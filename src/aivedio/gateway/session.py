@@ -161,8 +161,8 @@ class Session:
             self.close(CloseReason.SESSION_EXPIRED)
         elif self.paused_at is not None and now - self.paused_at > self.config.stall_timeout_s:
             self.close(CloseReason.SLOW)
-        elif (late := self.transport.overdue(now)) is not None:
-            self.close(late)
+        elif self.paused_at is None and (late := self.transport.overdue(now)) is not None:
+            self.close(late)  # while congested, the stall deadline above decides (``slow``)
         elif self.pending is None and self.backlog is None and self.transport.writable:
             self.transport.ping(now, ping)
 
