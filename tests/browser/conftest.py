@@ -51,10 +51,11 @@ def _missing() -> str | None:
     return None
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser(template_database: str) -> Iterator[Browser]:
-    # The template database is made (asyncio.run) before Playwright starts its event loop in this
-    # thread, and dropped after it stops.
+    # Playwright's sync API runs an event loop in this thread while it is open: the template
+    # database (asyncio.run) is made before it starts, and the module scope stops it before the
+    # next module's tests (which run event loops of their own).
     missing = _missing()
     if missing is not None:
         if os.environ.get("CI"):

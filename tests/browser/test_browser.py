@@ -140,6 +140,8 @@ def test_the_stream_stays_open_after_a_task_completes(page: Page, demo: Stack) -
 
 
 def test_the_page_survives_a_gateway_killed_mid_task(page: Page, split: Stack) -> None:
+    """SIGKILL the process that serves the API and the stream while the task runs at the
+    provider; start it again on the same port. The page resumes from its cursor."""
     from playwright.sync_api import expect
 
     console = open_page(page, split)
@@ -148,8 +150,10 @@ def test_the_page_survives_a_gateway_killed_mid_task(page: Page, split: Stack) -
     core = split.procs[-1]
     core.kill()
     indicator = page.locator("#live")
-    expect(indicator).not_to_have_attribute("data-state", "live", timeout=30_000)
-    start_core(split)
+    # three failed reconnects in a row: the page polls the snapshot and says so
+    indicator_state(indicator, "paused")
+    expect(indicator).to_have_text("live updates paused")
+    start_core(split)  # the same port; the client keeps reconnecting in the background
     task_id = wait_ready(row)
     indicator_state(indicator, "live", READY_WITHIN_MS)
     assert snapshot_status(split, task_id) == "ready"
@@ -157,4 +161,4 @@ def test_the_page_survives_a_gateway_killed_mid_task(page: Page, split: Stack) -
     states = console.states()
     assert states[:2] == ["connecting", "live"]
     assert states[-1] == "live"
-    assert len(states) > 2  # it did lose the stream, and came back
+    assert "paused" in states  # it did lose the stream, and came back

@@ -134,7 +134,9 @@ async function main() {
       button.disabled = false;
     }
   });
+  // the view goes away: stop; it comes back from the back/forward cache: resume by cursor
   window.addEventListener("pagehide", () => client.stop());
+  window.addEventListener("pageshow", (event) => event.persisted && client.start());
 }
 
 main();
