@@ -46,9 +46,13 @@ class Console:
 def open_page(page: Page, stack: Stack) -> Console:
     console = Console()
     page.on("console", console)
+    page.on("pageerror", lambda error: console.lines.append(f"pageerror {error}"))
     page.goto(stack.page_url)
     indicator = page.locator("#live")
-    indicator_state(indicator, "live")
+    try:
+        indicator_state(indicator, "live")
+    except AssertionError as exc:
+        raise AssertionError(f"the page never went live: {console.lines}") from exc
     return console
 
 
@@ -162,3 +166,39 @@ def test_the_page_survives_a_gateway_killed_mid_task(page: Page, split: Stack) -
     assert states[:2] == ["connecting", "live"]
     assert states[-1] == "live"
     assert "paused" in states  # it did lose the stream, and came back
+
+
+def test_a_reset_rereads_the_snapshot_and_the_stream_goes_on(page: Page, demo: Stack) -> None:
+    """The first stream request carries a cursor of another epoch (rewritten on its way out):
+    the server answers ``event: reset``; the page re-reads the snapshot and goes on from the
+    reset's cursor on the same stream: a task created before the page opened and one created
+    after both reach ready in the page."""
+    from playwright.sync_api import Route
+
+    headers = {"Authorization": f"Bearer {demo.api_key}", "Idempotency-Key": "before-the-page"}
+    body = {"provider": "sandbox", "model": "m", "prompt": "p", "params": {}}
+    r = httpx.post(f"{demo.base}/v1/projects/{demo.project_id}/tasks", headers=headers, json=body)
+    assert r.status_code == 202
+    earlier = str(r.json()["task"]["id"])
+    rewritten: list[str] = []
+
+    def stale_cursor(route: Route) -> None:
+        url = route.request.url
+        if rewritten:
+            route.continue_()
+            return
+        rewritten.append(url)
+        route.continue_(url=re.sub(r"after=[^&]+", "after=1-1", url))
+
+    page.route(re.compile(r".*/events\?.*"), stale_cursor)
+    console = open_page(page, demo)
+    from playwright.sync_api import expect
+
+    expect(page.locator(f'#tasks li[data-task-id="{earlier}"]')).to_have_attribute(
+        "data-status", "ready", timeout=READY_WITHIN_MS
+    )
+    assert any(line.startswith("aivedio reset other_epoch") for line in console.lines)
+    later = wait_ready(generate(page, "after the reset", FAST))
+    assert console.statuses(later)[-1] == "ready"
+    assert console.states() == ["connecting", "live"]  # the reset did not drop the stream
+    assert len(rewritten) == 1

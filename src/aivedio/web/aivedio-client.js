@@ -70,6 +70,7 @@ class HttpError extends Error {
  * @param {() => object} [options.authHeaders]  headers for the REST calls (default: the API key)
  * @param {(task: object) => void} [options.onTask]   a task's view changed
  * @param {(state: string, detail: object) => void} [options.onState]
+ * @param {(reset: object) => void} [options.onReset]  an `event: reset` arrived ({reason, cursor})
  */
 export function createClient(options) {
   const {
@@ -78,6 +79,7 @@ export function createClient(options) {
     apiKey,
     onTask = () => {},
     onState = () => {},
+    onReset = () => {},
     maxFailures = 3,
     backoffBaseMs = 500,
     backoffCapMs = 15000,
@@ -208,7 +210,7 @@ export function createClient(options) {
     if (id) moveCursor(frame.lastEventId);
   }
 
-  async function onReset(gen, frame) {
+  async function handleReset(gen, frame) {
     if (gen !== generation) return;
     let data;
     try {
@@ -219,6 +221,7 @@ export function createClient(options) {
     // The stream goes on from the reset's cursor; the snapshot is newer than it, and the
     // task_version rule drops the events between the two.
     moveCursor(data.cursor);
+    onReset(data);
     try {
       await readSnapshot();
     } catch {
@@ -302,7 +305,7 @@ export function createClient(options) {
     };
     source.onerror = () => fail(gen, "stream_error");
     source.addEventListener("task.status", (frame) => onFrame(gen, frame));
-    source.addEventListener("reset", (frame) => onReset(gen, frame));
+    source.addEventListener("reset", (frame) => handleReset(gen, frame));
     source.addEventListener("close", (frame) => onClose(gen, frame));
   }
 

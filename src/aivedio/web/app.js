@@ -109,6 +109,7 @@ async function main() {
     apiKey, // demo only, see above
     onTask: renderTask,
     onState: renderState,
+    onReset: (reset) => console.debug("aivedio reset", reset.reason, reset.cursor),
   });
   window.aivedio = client; // for the console (and the browser tests)
   // Subscribe before submit (seed 004): the stream is open before the first task is created.
