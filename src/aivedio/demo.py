@@ -51,6 +51,7 @@ async def _demo(settings: Settings, port: int) -> int:
         json.dumps(
             {
                 "api": base,
+                "page": f"{base}/#project={project['project_id']}&key={project['api_key']}",
                 "sandbox_provider": settings.sandbox_url,
                 "project_id": project["project_id"],
                 "api_key": project["api_key"],
@@ -66,6 +67,7 @@ async def _demo(settings: Settings, port: int) -> int:
         f"      -H 'Authorization: Bearer {project['api_key']}' -H 'Idempotency-Key: demo-1' \\\n"
         f"      -H 'Content-Type: application/json' \\\n"
         f"      -d '{BODY}'\n"
+        f"  open the page: {base}/#project={project['project_id']}&key={project['api_key']}\n"
         f"  read it back: GET {base}/v1/projects/{project['project_id']}/tasks/<id>\n"
         f"  Ctrl-C stops the demo; `aivedio services down` stops the embedded servers.\n",
         flush=True,

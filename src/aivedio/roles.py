@@ -54,7 +54,9 @@ async def _api(rt: Runtime) -> RoleParts:
 
     secret = rt.settings.derived_secret("stream-tokens")
     routes = stream_token_routes(rt.db, secret, rt.settings.stream_token_ttl_s)
-    return RoleParts(routes=[*routes, *playback_routes_for(rt)], http=True)
+    from aivedio.web import web_routes
+
+    return RoleParts(routes=[*routes, *playback_routes_for(rt), *web_routes()], http=True)
 
 
 async def _gateway(rt: Runtime) -> RoleParts:
