@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import h11
 import uvicorn
@@ -60,8 +60,8 @@ class SniffingProtocol(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport (uvloop's ``TCPTransport`` is one without subclassing asyncio's).
+        self.transport = cast(asyncio.Transport, transport)
         self.timer = self.loop.call_later(self.gateway.config.head_timeout_s, transport.close)
 
     def connection_lost(self, exc: Exception | None) -> None:

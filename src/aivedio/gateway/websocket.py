@@ -4,12 +4,14 @@ The sniffer (``server.py``) hands the socket over after the request head, exactl
 gateway checks Origin and credentials, then ``upgrade`` writes the 101 answer. From then on this
 asyncio protocol speaks RFC 6455 itself (``wsframes.py``): text frames out, client commands in.
 
-Why not ``wsproto``: measured on this machine, a ``wsproto.WSConnection`` costs about 4.6 KiB per
-connection after the handshake (it keeps an h11 connection, a frame decoder, a buffer and an event
-deque), more than the whole 4 KiB per-connection budget of the gateway. This class is one slotted
-object of about 150 bytes (its read buffer is ``b""`` between frames and a reassembly buffer exists
-only inside a fragmented message); the protocol subset it needs (masked text frames of at most
-``ws_max_message`` bytes, ping/pong, close, no extensions) is ~150 lines of pure code.
+Why not ``wsproto``: measured with tracemalloc on this machine (wsproto 1.3.2, 2,000 connections),
+a ``wsproto.WSConnection`` holds about 4.6 KiB per connection after the handshake (an h11
+connection, a frame decoder, a buffer, an event deque): more than the whole 4 KiB per-connection
+budget of the gateway. This class, measured the same way, is 168 bytes per connection (an
+``SseTransport`` is 72): one slotted object whose read buffer is ``b""`` between frames and whose
+reassembly buffer exists only inside a fragmented message. The protocol subset it needs (masked
+text frames of at most ``ws_max_message`` bytes, ping/pong, close, no extensions) is ~130 lines of
+pure code in ``wsframes.py``, tested against the RFC's examples and by the ``websockets`` client.
 
 One writer per connection: frames are written only from the event loop, synchronously, through
 this transport (the session's ``deliver``/``tick`` and command replies), never from another task
