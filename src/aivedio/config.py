@@ -94,6 +94,7 @@ class Settings(BaseSettings):
     gateway_max_conns_per_tenant: int = 5000
     gateway_connect_rate_per_s: float = 2000.0
     stream_token_ttl_s: int = 60
+    ws_allowed_origins: str = ""  # comma-separated; empty: only the request's own origin
     poll_limits: str = ""
     poll_replicas: int = 1
     poll_concurrency: int = 64
@@ -166,7 +167,9 @@ class Settings(BaseSettings):
     def gateway(self, redis_url: str) -> GatewayConfig:
         from aivedio.gateway.config import GatewayConfig
 
+        origins = tuple(o.strip().lower() for o in self.ws_allowed_origins.split(",") if o.strip())
         return GatewayConfig(
+            ws_allowed_origins=origins,
             redis_url=redis_url,
             channel=self.gateway_channel,
             token_secret=self.derived_secret("stream-tokens"),
