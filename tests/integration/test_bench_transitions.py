@@ -22,11 +22,14 @@ KEYS = {
 }
 
 
+@pytest.mark.parametrize(("batch", "effective"), [("", 4), ("batch=1", 1)])
 def test_transitions_prints_the_json_line_last(
-    admin_database_url: str, capsys: pytest.CaptureFixture[str]
+    admin_database_url: str, capsys: pytest.CaptureFixture[str], batch: str, effective: int
 ) -> None:
+    """The default batch is capped at tasks / workers (4 here); ``batch=1`` is ``apply``."""
     settings = Settings(database_url=admin_database_url)
     options = ["tasks=12", "projects=2", "workers=3", "seconds=1", "pgbench_seconds=1"]
+    options += [batch] if batch else []
 
     assert run_bench(settings, "transitions", options) == 0
 
@@ -36,6 +39,8 @@ def test_transitions_prints_the_json_line_last(
     assert figures["bench"] == "transitions"
     assert figures["applied"] > 0
     assert figures["workers"] == 3
+    assert figures["batch"] == effective
+    assert figures["ceiling_per_s"] is None or figures["ceiling_per_s"] > 0
     assert any("pgbench" in line or "ceiling" in line for line in lines[:-1])
 
 

@@ -4,9 +4,12 @@ In a scratch database (created for the run, dropped at the end): ``projects`` pr
 ``tasks`` tasks created through the real ``TaskStore``. Then ``workers`` asyncio workers sharing one
 pool apply provider observations (``running`` with a progress that moves by the coalescing step, so
 each one is applied and writes an event) through ``StateService.apply`` for ``seconds`` (or until
-``observations`` were given). Then, against the same database, ``pgbench`` runs the same SQL
-statements per transaction (BEGIN; ``lock_task_for_attempt``; ``write_event``; COMMIT) with the same
-number of clients: that is the ceiling, the speed of the statements without our Python around them.
+``observations`` were given). With ``batch`` > 1 each worker hands ``batch`` observations (of
+``batch`` different tasks) at a time to ``StateService.apply_many``: one transaction, one commit.
+Then, against the same database, ``pgbench`` runs the same SQL statements per transaction (BEGIN;
+``lock_task_for_attempt``; ``write_event``; COMMIT, or for a batch BEGIN;
+``lock_tasks_for_attempts``; ``write_events``; COMMIT) with the same number of clients: that is
+the ceiling, the speed of the statements without our Python around them.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -56,9 +59,10 @@ class Options:
     observations: int = 0  # stop after this many observations (0: run for ``seconds``)
     pgbench_seconds: int = 0  # 0: as long as our run took
     pgbench_jobs: int = 2
+    batch: int = 32  # observations per apply_many transaction (1: StateService.apply)
 
     def check(self) -> None:
-        for name in ("tasks", "projects", "workers", "pgbench_jobs"):
+        for name in ("tasks", "projects", "workers", "pgbench_jobs", "batch"):
             if getattr(self, name) < 1:
                 raise BenchUsageError(f"{name} must be at least 1")
         if self.seconds <= 0 and self.observations <= 0:
@@ -111,12 +115,14 @@ def run(settings: Settings, options: Mapping[str, str]) -> int:
 
 
 async def _run(settings: Settings, opts: Options) -> int:
+    # Every worker (and every pgbench client) needs whole batches of distinct tasks.
+    opts = replace(opts, batch=max(1, min(opts.batch, opts.tasks // opts.workers)))
     state_config = settings.state
     step = max(1, state_config.coalesce_min_points)
     print(
         f"transitions: {opts.tasks} tasks in {opts.projects} projects, {opts.workers} workers, "
         + (f"{opts.observations} observations" if opts.observations else f"{opts.seconds:g} s")
-        + f", progress step {step}",
+        + f", progress step {step}, batch {opts.batch}",
         flush=True,
     )
     async with scratch_database(database_url(settings)) as url:
@@ -188,28 +194,36 @@ async def _apply_observations(
             if not queue:
                 figures.exhausted = True
                 return
-            budget -= 1
-            track = queue.popleft()
-            obs = ProviderObservation(
-                provider="sandbox",
-                attempt_id=track.attempt_id,
-                status=ProviderStatus.RUNNING,
-                source=Source.POLL,
-                provider_sequence=track.sequence,
-                provider_occurred_at=datetime.now(UTC),
-                progress=track.progress,
-            )
+            size = min(opts.batch, len(queue), budget if budget > 0 else opts.batch)
+            budget -= size
+            batch = [queue.popleft() for _ in range(size)]
+            observations = [
+                ProviderObservation(
+                    provider="sandbox",
+                    attempt_id=track.attempt_id,
+                    status=ProviderStatus.RUNNING,
+                    source=Source.POLL,
+                    provider_sequence=track.sequence,
+                    provider_occurred_at=datetime.now(UTC),
+                    progress=track.progress,
+                )
+                for track in batch
+            ]
             t0 = time.perf_counter()
-            result = await state.apply(obs)
-            latencies.append((time.perf_counter() - t0) * 1000)
-            if result.outcome is Outcome.APPLIED:
-                figures.applied += 1
+            if opts.batch == 1:
+                results = [await state.apply(observations[0])]
             else:
-                figures.ignored += 1
-            track.sequence += 1
-            track.progress += step
-            if track.progress <= 100:
-                queue.append(track)
+                results = await state.apply_many(observations)
+            latencies.append((time.perf_counter() - t0) * 1000)
+            for track, result in zip(batch, results, strict=True):
+                if result.outcome is Outcome.APPLIED:
+                    figures.applied += 1
+                else:
+                    figures.ignored += 1
+                track.sequence += 1
+                track.progress += step
+                if track.progress <= 100:
+                    queue.append(track)
 
     started, cpu_started = time.perf_counter(), time.process_time()
     await asyncio.gather(*(worker() for _ in range(opts.workers)))
@@ -234,44 +248,48 @@ def _sql_with(name: str, params: Mapping[int, str]) -> str:
     return _PARAM.sub(lambda m: params[int(m.group(1))], "\n".join(lines))
 
 
-def pgbench_script(attempts: int) -> str:
-    """One transaction as ``StateService.apply`` runs it for an applied running observation.
+_WRITE_PARAMS = {
+    1: ":l_project_id",
+    2: ":l_tenant_id",
+    3: ":l_id",
+    4: ":l_attempt_id",
+    5: ":next_version",
+    6: ":public_payload",
+    7: ":source",
+    8: "NULL",  # trace_id
+    9: ":occurred_at",
+    10: ":status",
+    11: ":stage",
+    12: ":progress",
+    13: "NULL",  # error_code
+    14: "NULL",  # error_message
+    15: "NULL",  # asset_id
+    16: ":terminal",
+    17: ":domain_payload",
+    18: ":record_attempt",
+    19: ":provider_status",
+    20: ":next_version",  # last_provider_seq
+    21: ":occurred_at",  # last_provider_at
+    22: "NULL",  # inbox id
+}
+
+
+def pgbench_script(attempts: int, batch: int = 1, clients: int = 1) -> str:
+    """One transaction as ``StateService.apply`` (``batch`` 1) or ``apply_many`` runs it.
 
     ``lock_task_for_attempt``'s ``$1`` is a random attempt (by row number from the helper table
     ``bench_attempts``); its row is kept with ``\\gset`` and feeds ``write_event`` as our code
     does. Constant parameters come as ``-D`` variables (``pgbench_variables``); the ones our
     observation sends as NULL are NULL literals.
+
+    For a batch (``_batch_script``) the transaction is ours: BEGIN; ``lock_tasks_for_attempts``;
+    ``write_events``; COMMIT.
     """
-    lock = _sql_with(
-        "lock_task_for_attempt", {1: "(SELECT attempt_id FROM bench_attempts WHERE n = :n)"}
-    )
-    write = _sql_with(
-        "write_event",
-        {
-            1: ":l_project_id",
-            2: ":l_tenant_id",
-            3: ":l_id",
-            4: ":l_attempt_id",
-            5: ":next_version",
-            6: ":public_payload",
-            7: ":source",
-            8: "NULL",  # trace_id
-            9: ":occurred_at",
-            10: ":status",
-            11: ":stage",
-            12: ":progress",
-            13: "NULL",  # error_code
-            14: "NULL",  # error_message
-            15: "NULL",  # asset_id
-            16: ":terminal",
-            17: ":domain_payload",
-            18: ":record_attempt",
-            19: ":provider_status",
-            20: ":next_version",  # last_provider_seq
-            21: ":occurred_at",  # last_provider_at
-            22: "NULL",  # inbox id
-        },
-    )
+    if batch > 1:
+        return _batch_script(attempts // batch, batch, clients)
+    attempt = "(SELECT attempt_id FROM bench_attempts WHERE n = :n)"
+    lock = _sql_with("lock_task_for_attempt", {1: attempt})
+    write = _sql_with("write_event", _WRITE_PARAMS)
     return (
         f"\\set n random(1, {attempts})\n"
         "\\set progress random(0, 100)\n"
@@ -281,6 +299,65 @@ def pgbench_script(attempts: int) -> str:
         f"{write};\n"
         "COMMIT;\n"
     )
+
+
+def _batch_script(blocks: int, batch: int, clients: int) -> str:
+    """``apply_many``'s transaction for one block of ``batch`` tasks (a row of ``bench_blocks``:
+    tasks in creation order, as our round-robin queue hands them out, by project within the
+    block, the order ``apply_many`` writes in). Each client takes blocks of its own
+    (``:client_id``), as our workers never share a task.
+
+    pgbench cannot keep the rows of a multi-row result, so the arrays ours builds from the
+    locked rows are sub-selects here: the block's ids from ``bench_blocks`` and the next
+    versions from ``generation_tasks`` (read after the lock, as ours does; one index lookup per
+    task more than ours). Constants are ``array_fill``-ed ``-D`` variables.
+    """
+    blocks = max(1, blocks)
+    if blocks >= clients:
+        pick = f":client_id + {clients} * random(0, {blocks // clients - 1})"
+    else:
+        pick = f"random(0, {blocks - 1})"
+
+    def block(column: str) -> str:
+        return f"(SELECT {column} FROM bench_blocks WHERE b = :b)"
+
+    def fill(value: str, kind: str) -> str:
+        return f"array_fill({value}::{kind}, ARRAY[{batch}])"
+
+    versions = (
+        "ARRAY(SELECT t.version + 1 FROM unnest("
+        + block("task_ids")
+        + ") WITH ORDINALITY AS u (id, o) JOIN generation_tasks t ON t.id = u.id ORDER BY u.o)"
+    )
+    lock = _sql_with("lock_tasks_for_attempts", {1: block("attempt_ids")})
+    write = _sql_with(
+        "write_events",
+        {
+            1: block("project_ids"),
+            2: block("tenant_ids"),
+            3: block("task_ids"),
+            4: block("attempt_ids"),
+            5: versions,
+            6: fill(":public_payload", "text"),
+            7: fill(":source", "text"),
+            8: fill("NULL", "text"),  # trace_id
+            9: fill(":occurred_at", "timestamptz"),
+            10: fill(":status", "text"),
+            11: fill(":stage", "text"),
+            12: fill(":progress", "smallint"),
+            13: fill("NULL", "text"),  # error_code
+            14: fill("NULL", "text"),  # error_message
+            15: fill("NULL", "uuid"),  # asset_id
+            16: fill(":terminal", "boolean"),
+            17: fill(":domain_payload", "text"),
+            18: fill(":record_attempt", "boolean"),
+            19: fill(":provider_status", "text"),
+            20: versions,  # last_provider_seq
+            21: fill(":occurred_at", "timestamptz"),
+            22: fill("NULL", "bigint"),  # inbox id
+        },
+    )
+    return f"\\set b {pick}\n\\set progress random(0, 100)\nBEGIN;\n{lock};\n{write};\nCOMMIT;\n"
 
 
 def pgbench_variables() -> dict[str, str]:
@@ -327,6 +404,25 @@ def pgbench_variables() -> dict[str, str]:
     }
 
 
+def _blocks_statement(batch: int) -> str:
+    """``bench_blocks``: block number -> the ids of ``batch`` tasks, in creation order in blocks
+    of ``batch`` (as our queue hands them out), by project within a block (``apply_many``'s write
+    order). Full blocks only."""
+    return (
+        "CREATE TABLE bench_blocks AS"
+        " WITH src AS (SELECT a.id AS attempt_id, t.id AS task_id, t.project_id, t.tenant_id,"
+        " row_number() OVER (ORDER BY t.created_at, t.id) - 1 AS k"
+        " FROM task_attempts a JOIN generation_tasks t ON t.id = a.task_id)"
+        f" SELECT (k / {batch})::int AS b,"
+        " array_agg(project_id ORDER BY project_id, k) AS project_ids,"
+        " array_agg(tenant_id ORDER BY project_id, k) AS tenant_ids,"
+        " array_agg(task_id ORDER BY project_id, k) AS task_ids,"
+        " array_agg(attempt_id ORDER BY project_id, k) AS attempt_ids"
+        f" FROM src GROUP BY 1 HAVING count(*) = {batch};"
+        " ALTER TABLE bench_blocks ADD PRIMARY KEY (b)"
+    )
+
+
 async def _run_pgbench(
     url: str, opts: Options, seconds: int
 ) -> tuple[PgbenchFigures | None, str | None]:
@@ -344,12 +440,14 @@ async def _run_pgbench(
             " SELECT row_number() OVER (ORDER BY id), id FROM task_attempts RETURNING 1)"
             " SELECT count(*) FROM ins"
         )
+        if opts.batch > 1:
+            await conn.execute(_blocks_statement(opts.batch))
         await conn.execute("ANALYZE")
     finally:
         await conn.close()
     with tempfile.TemporaryDirectory(prefix="aivedio-bench-") as tmp:
         script = Path(tmp) / "transitions.sql"
-        script.write_text(pgbench_script(attempts), encoding="utf-8")
+        script.write_text(pgbench_script(attempts, opts.batch, opts.workers), encoding="utf-8")
         argv = [binary, "-n", "-M", "prepared", "-f", str(script)]
         argv += ["-c", str(opts.workers), "-j", str(min(opts.pgbench_jobs, opts.workers))]
         argv += ["-T", str(seconds)]
@@ -392,9 +490,10 @@ def _report(
 ) -> int:
     p50 = percentile(ours.latencies_ms, 50)
     p99 = percentile(ours.latencies_ms, 99)
+    call = "apply" if opts.batch == 1 else f"apply_many (batch {opts.batch})"
     print(
-        f"  ours    StateService.apply: {ours.per_s:9.1f} applied/s"
-        f"  p50 {p50:.2f} ms  p99 {p99:.2f} ms"
+        f"  ours    StateService.{call}: {ours.per_s:9.1f} applied/s"
+        f"  p50 {p50:.2f} ms  p99 {p99:.2f} ms per call"
         f"  (applied {ours.applied}, ignored {ours.ignored} in {ours.seconds:.1f} s;"
         f" {ours.cpu_us_per_observation:.0f} us CPU per observation in this process)"
     )
@@ -402,10 +501,12 @@ def _report(
         print("  note: every task reached 100 % before the time was up; give more tasks=")
     ratio = float("nan")
     if pg is not None:
-        ratio = ours.per_s / pg.tps if pg.tps > 0 else float("nan")
+        ceiling = pg.tps * opts.batch  # observations per second
+        ratio = ours.per_s / ceiling if ceiling > 0 else float("nan")
         latency = f"{pg.latency_avg_ms:.2f} ms" if pg.latency_avg_ms is not None else "?"
         print(
-            f"  ceiling pgbench, same SQL:  {pg.tps:9.1f} tx/s       latency avg {latency}"
+            f"  ceiling pgbench, same SQL:  {pg.tps * opts.batch:9.1f} observations/s"
+            f" ({pg.tps:.1f} tx/s of {opts.batch})  latency avg {latency}"
             f"  (transactions {pg.transactions}, failed {pg.failed}; {pg.command})"
         )
         print(f"  ratio ours / ceiling: {ratio:.2f}")
@@ -415,11 +516,12 @@ def _report(
         {
             "bench": "transitions",
             "per_s": rounded(ours.per_s, 1),
-            "ceiling_per_s": rounded(pg.tps, 1) if pg is not None else None,
+            "ceiling_per_s": rounded(pg.tps * opts.batch, 1) if pg is not None else None,
             "ratio": rounded(ratio),
             "p50_ms": rounded(p50),
             "p99_ms": rounded(p99),
             "workers": opts.workers,
+            "batch": opts.batch,
             "applied": ours.applied,
             "ignored": ours.ignored,
             "tasks": opts.tasks,

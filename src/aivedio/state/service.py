@@ -3,14 +3,18 @@
 One transaction: lock the task (the aggregate lock), decide with the pure core, and either write
 version + 1 with its stream seq, task event and outbox row (``write_event``), or record why
 nothing changed (``record_unapplied``). All or nothing.
+
+``apply_many`` is group commit: a batch of observations in one transaction (one COMMIT, one WAL
+flush), each decided exactly as ``apply`` would decide it one after the other.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -39,6 +43,7 @@ from aivedio.domain.transitions import (
     TaskView,
     decide,
 )
+from aivedio.errors import AivedioError, DatabaseUnavailable
 
 OBSERVATIONS = Counter(
     "aivedio_observations_total",
@@ -49,6 +54,12 @@ APPLY_SECONDS = Histogram(
     "aivedio_apply_observation_seconds",
     "Time to apply one observation, transaction included",
     buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+)
+BATCHES = Counter(
+    "aivedio_apply_batches_total",
+    "apply_many batches, by how they ended: committed as one transaction, or applied one by one "
+    "after the batch failed",
+    ["result"],
 )
 
 
@@ -66,6 +77,19 @@ class ApplyResult:
     task_id: uuid.UUID | None
     task_version: int | None  # the version after this observation
     event: EventWritten | None
+
+
+class BatchPartlyFailed(AivedioError):
+    """``apply_many`` fell back to one transaction per observation and some of them failed.
+
+    ``results[i]`` is the ``ApplyResult`` of observation ``i``, or the exception it raised; the
+    others were applied (each in its own transaction).
+    """
+
+    def __init__(self, results: list[ApplyResult | Exception]) -> None:
+        failed = [i for i, r in enumerate(results) if isinstance(r, Exception)]
+        super().__init__(f"{len(failed)} of {len(results)} observations failed: {failed}")
+        self.results = results
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +129,70 @@ def attempt_view(row: asyncpg.Record) -> AttemptView | None:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Locked:
+    """A locked task as the next observation sees it: the row, or its state evolved in memory
+    by the observations before it in the same batch."""
+
+    ref: TaskRef
+    task: TaskView
+    attempt: AttemptView
+
+
+def _locked(row: asyncpg.Record) -> _Locked:
+    attempt = attempt_view(row)
+    assert attempt is not None  # lock_task(s)_for_attempt(s) start from the attempt
+    ref = TaskRef(row["id"], row["project_id"], row["tenant_id"], row["user_id"])
+    return _Locked(ref, task_view(row), attempt)
+
+
+def _evolve(locked: _Locked, decision: Decision, now: datetime) -> _Locked:
+    """What ``write_event`` / ``record_unapplied`` do to the task and the attempt, in memory
+    (``progress_event_at = now()`` is the transaction's start time)."""
+    attempt = locked.attempt
+    if decision.attempt is not None:
+        attempt = replace(
+            attempt,
+            provider_status=decision.attempt.provider_status,
+            last_provider_seq=decision.attempt.last_provider_seq,
+            last_provider_at=decision.attempt.last_provider_at,
+        )
+    task = locked.task
+    if decision.outcome is Outcome.APPLIED:
+        change = decision.change
+        assert change is not None
+        task = replace(
+            task,
+            status=change.status,
+            stage=change.stage,
+            progress=change.progress,
+            version=task.version + 1,
+            progress_event_at=now,
+            error_code=change.error_code,
+            error_message=change.error_message,
+            asset_id=change.asset_id,
+        )
+    return _Locked(locked.ref, task, attempt)
+
+
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """One decided observation of a batch, waiting for its write."""
+
+    index: int
+    obs: Observation
+    locked: _Locked | None  # before the decision; None: unknown attempt
+    decision: Decision
+
+    @property
+    def order(self) -> uuid.UUID:
+        """Writes go in project order (stream row locks in one order across batches)."""
+        return self.locked.ref.project_id if self.locked is not None else _NO_PROJECT
+
+
+_NO_PROJECT = uuid.UUID(int=0)
+
+
 def _observed(obs: Observation) -> str:
     if isinstance(obs, ProviderObservation):
         return str(obs.status)
@@ -140,35 +228,151 @@ class StateService:
         row = None
         if obs.attempt_id is not None:
             row = await conn.fetchrow(q("lock_task_for_attempt"), obs.attempt_id)
-        if row is None:
-            await self._record(conn, None, obs, Decision(Outcome.IGNORED, Reason.UNKNOWN_ATTEMPT))
-            return self._count(
-                obs, ApplyResult(Outcome.IGNORED, Reason.UNKNOWN_ATTEMPT, None, None, None)
+        locked = _locked(row) if row is not None else None
+        decision = self._decide(locked, obs)
+        return self._count(obs, await self._write(conn, _Pending(0, obs, locked, decision)))
+
+    async def apply_many(self, observations: Sequence[Observation]) -> list[ApplyResult]:
+        """Apply a batch in one transaction: one COMMIT (one WAL flush) for all of them.
+
+        Each observation is decided exactly as ``apply`` would decide it, in the given order,
+        against the task as the observations before it left it; events take contiguous stream
+        seqs and task versions, in the given order within a project. All task rows are locked in
+        one statement in task id order; the audit rows of unapplied observations follow, then
+        every event in one ``write_events`` statement that locks the stream rows in project id
+        order, so concurrent batches (and ``apply``) cannot deadlock.
+
+        If the batch fails for any reason but the database being unavailable, its transaction
+        rolls back and the observations are applied one by one with ``apply``, so one bad
+        observation cannot block the others; if some of those fail, ``BatchPartlyFailed``
+        carries every result and error after the others were applied. ``DatabaseUnavailable``
+        propagates (the batch wrote nothing).
+        """
+        if not observations:
+            return []
+        started = time.perf_counter()
+        try:
+            async with self.db.transaction() as conn:
+                results = await self._apply_batch_in(conn, observations)
+        except DatabaseUnavailable:
+            raise
+        except Exception:
+            BATCHES.labels("one_by_one").inc()
+            return await self._apply_one_by_one(observations)
+        BATCHES.labels("committed").inc()
+        elapsed = time.perf_counter() - started
+        for obs, result in zip(observations, results, strict=True):
+            APPLY_SECONDS.observe(elapsed / len(observations))
+            self._count(obs, result)
+        return results
+
+    async def apply_many_in(
+        self, conn: asyncpg.Connection, observations: Sequence[Observation]
+    ) -> list[ApplyResult]:
+        """``apply_many`` inside the caller's transaction (no fallback: an error is the
+        caller's, and its transaction is to be rolled back)."""
+        results = await self._apply_batch_in(conn, observations)
+        for obs, result in zip(observations, results, strict=True):
+            self._count(obs, result)
+        return results
+
+    async def _apply_batch_in(
+        self, conn: asyncpg.Connection, observations: Sequence[Observation]
+    ) -> list[ApplyResult]:
+        if not observations:
+            return []
+        attempt_ids = sorted({o.attempt_id for o in observations if o.attempt_id is not None})
+        rows = await conn.fetch(q("lock_tasks_for_attempts"), attempt_ids)
+        now: datetime | None = rows[0]["locked_at"] if rows else None
+        by_attempt = {row["attempt_id"]: row for row in rows}
+        tasks: dict[uuid.UUID, _Locked] = {}  # task id -> its state as the batch evolves it
+        attempts: dict[uuid.UUID, AttemptView] = {}
+        for row in rows:
+            first = _locked(row)
+            tasks.setdefault(first.ref.task_id, first)
+            attempts[first.attempt.id] = first.attempt
+        pending: list[_Pending] = []
+        for index, obs in enumerate(observations):
+            found = by_attempt.get(obs.attempt_id) if obs.attempt_id is not None else None
+            if found is None:
+                pending.append(_Pending(index, obs, None, self._decide(None, obs)))
+                continue
+            assert now is not None
+            current = tasks[found["id"]]
+            locked = _Locked(current.ref, current.task, attempts[found["attempt_id"]])
+            decision = self._decide(locked, obs)
+            pending.append(_Pending(index, obs, locked, decision))
+            evolved = _evolve(locked, decision, now)
+            tasks[found["id"]] = evolved
+            attempts[found["attempt_id"]] = evolved.attempt
+        return await self._write_batch(conn, pending)
+
+    async def _write_batch(
+        self, conn: asyncpg.Connection, pending: list[_Pending]
+    ) -> list[ApplyResult]:
+        """Audit rows first, one statement each, in the decided order; then every event in one
+        ``write_events`` statement (the stream rows are locked last, for the shortest time).
+
+        An attempt ends with the values of its last attempt change in the batch, from an event
+        or an audit row: each event that records the attempt writes those final values.
+        """
+        final: dict[uuid.UUID, AttemptChange] = {}
+        for item in pending:
+            if item.locked is not None and item.decision.attempt is not None:
+                final[item.locked.attempt.id] = item.decision.attempt
+        results: list[ApplyResult | None] = [None] * len(pending)
+        events: list[tuple[_Pending, NewEvent]] = []
+        for item in pending:
+            locked, decision = item.locked, item.decision
+            if locked is None or decision.outcome is not Outcome.APPLIED:
+                results[item.index] = await self._write(conn, item)
+                continue
+            assert decision.change is not None
+            attempt_change = decision.attempt
+            if attempt_change is not None:
+                attempt_change = final[locked.attempt.id]
+            events.append((item, _new_event(item, locked, decision.change, attempt_change)))
+        events.sort(key=lambda e: e[0].order)  # stable: decided order within a project
+        written = await write_events(conn, [event for _, event in events])
+        for (item, _), event in zip(events, written, strict=True):
+            assert item.locked is not None
+            results[item.index] = ApplyResult(
+                Outcome.APPLIED, None, item.locked.task.id, event.version, event
             )
-        task = task_view(row)
-        decision = decide(task, attempt_view(row), obs, self.clock(), self.policy)
+        return [r for r in results if r is not None]
+
+    async def _apply_one_by_one(self, observations: Sequence[Observation]) -> list[ApplyResult]:
+        results: list[ApplyResult | Exception] = []
+        for obs in observations:
+            try:
+                results.append(await self.apply(obs))
+            except DatabaseUnavailable:
+                raise
+            except Exception as exc:  # one bad observation does not block the others
+                results.append(exc)
+        if any(isinstance(r, Exception) for r in results):
+            raise BatchPartlyFailed(results)
+        return [r for r in results if isinstance(r, ApplyResult)]
+
+    def _decide(self, locked: _Locked | None, obs: Observation) -> Decision:
+        if locked is None:
+            return Decision(Outcome.IGNORED, Reason.UNKNOWN_ATTEMPT)
+        return decide(locked.task, locked.attempt, obs, self.clock(), self.policy)
+
+    async def _write(self, conn: asyncpg.Connection, item: _Pending) -> ApplyResult:
+        """The decided observation's write: its event (applied) or its audit row."""
+        obs, locked, decision = item.obs, item.locked, item.decision
+        if locked is None:
+            await self._record(conn, None, obs, decision)
+            return ApplyResult(Outcome.IGNORED, Reason.UNKNOWN_ATTEMPT, None, None, None)
+        task = locked.task
         if decision.outcome is not Outcome.APPLIED:
-            await self._record(conn, row, obs, decision)
-            return self._count(
-                obs, ApplyResult(decision.outcome, decision.reason, task.id, task.version, None)
-            )
+            await self._record(conn, locked, obs, decision)
+            return ApplyResult(decision.outcome, decision.reason, task.id, task.version, None)
         assert decision.change is not None
-        ref = TaskRef(row["id"], row["project_id"], row["tenant_id"], row["user_id"])
-        written = await write_event(
-            conn,
-            ref,
-            attempt_id=row["attempt_id"],
-            version=task.version + 1,
-            change=decision.change,
-            source=str(obs.source),
-            trace_id=obs.trace_id,
-            occurred_at=_occurred_at(obs),
-            attempt_change=decision.attempt,
-            inbox_id=obs.inbox_id if isinstance(obs, ProviderObservation) else None,
-        )
-        return self._count(
-            obs, ApplyResult(Outcome.APPLIED, None, task.id, written.version, written)
-        )
+        event = _new_event(item, locked, decision.change, decision.attempt)
+        written = await write_event(conn, event.ref, **event.params())
+        return ApplyResult(Outcome.APPLIED, None, task.id, written.version, written)
 
     @staticmethod
     def _count(obs: Observation, result: ApplyResult) -> ApplyResult:
@@ -179,7 +383,7 @@ class StateService:
     async def _record(
         self,
         conn: asyncpg.Connection,
-        row: asyncpg.Record | None,
+        locked: _Locked | None,
         obs: Observation,
         decision: Decision,
     ) -> None:
@@ -189,18 +393,18 @@ class StateService:
         if decision.reconcile is not None:
             detail = {
                 "observed": _observed(obs),
-                "task_status": row["status"] if row is not None else None,
-                "attempt_provider_status": row["provider_status"] if row is not None else None,
+                "task_status": str(locked.task.status) if locked is not None else None,
+                "attempt_provider_status": _status_or_none(locked),
                 "source": str(obs.source),
                 "trace_id": obs.trace_id,
             }
-        task_id = row["id"] if row is not None else None
-        attempt_id = obs.attempt_id if row is not None else None
+        task_id = locked.task.id if locked is not None else None
+        attempt_id = obs.attempt_id if locked is not None else None
         await conn.execute(
             q("record_unapplied"),
             task_id,
             attempt_id,
-            row["project_id"] if row is not None else None,
+            locked.ref.project_id if locked is not None else None,
             str(decision.outcome),
             str(decision.reason),
             str(obs.source),
@@ -208,7 +412,7 @@ class StateService:
             _observed(obs),
             provider.provider_sequence if provider else None,
             obs.progress,
-            row["version"] if row is not None else None,
+            locked.task.version if locked is not None else None,
             provider.inbox_id if provider else None,
             provider.dedup_key if provider else None,
             obs.trace_id,
@@ -220,6 +424,57 @@ class StateService:
             str(decision.reconcile) if decision.reconcile is not None else None,
             detail,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class NewEvent:
+    """One new task version to write: ``write_event``'s arguments, ``write_events``' element."""
+
+    ref: TaskRef
+    attempt_id: uuid.UUID | None
+    version: int
+    change: TaskChange
+    source: str
+    trace_id: str | None
+    occurred_at: datetime
+    attempt_change: AttemptChange | None = None
+    inbox_id: int | None = None
+
+    def params(self) -> dict[str, Any]:
+        """``write_event``'s keyword arguments."""
+        return {
+            "attempt_id": self.attempt_id,
+            "version": self.version,
+            "change": self.change,
+            "source": self.source,
+            "trace_id": self.trace_id,
+            "occurred_at": self.occurred_at,
+            "attempt_change": self.attempt_change,
+            "inbox_id": self.inbox_id,
+        }
+
+
+def _new_event(
+    item: _Pending, locked: _Locked, change: TaskChange, attempt_change: AttemptChange | None
+) -> NewEvent:
+    obs = item.obs
+    return NewEvent(
+        ref=locked.ref,
+        attempt_id=locked.attempt.id,
+        version=locked.task.version + 1,
+        change=change,
+        source=str(obs.source),
+        trace_id=obs.trace_id,
+        occurred_at=_occurred_at(obs),
+        attempt_change=attempt_change,
+        inbox_id=obs.inbox_id if isinstance(obs, ProviderObservation) else None,
+    )
+
+
+def _status_or_none(locked: _Locked | None) -> str | None:
+    if locked is None or locked.attempt.provider_status is None:
+        return None
+    return str(locked.attempt.provider_status)
 
 
 def _occurred_at(obs: Observation) -> datetime:
@@ -279,25 +534,7 @@ async def write_event(
 
     The caller holds the task lock (or created the task in this transaction).
     """
-    public = public_event(
-        task_id=ref.task_id,
-        task_version=version,
-        status=change.status,
-        stage=str(change.stage),
-        progress=change.progress,
-        asset_id=change.asset_id,
-        error_code=change.error_code,
-    )
-    payload = domain_payload(
-        ref,
-        attempt_id=attempt_id,
-        version=version,
-        change=change,
-        source=source,
-        trace_id=trace_id,
-        occurred_at=occurred_at,
-        public=public,
-    )
+    public, payload = _payloads(ref, attempt_id, version, change, source, trace_id, occurred_at)
     row = await conn.fetchrow(
         q("write_event"),
         ref.project_id,
@@ -332,11 +569,98 @@ async def write_event(
     return EventWritten(epoch=row["epoch"], seq=row["head"], version=version)
 
 
+def _payloads(
+    ref: TaskRef,
+    attempt_id: uuid.UUID | None,
+    version: int,
+    change: TaskChange,
+    source: str,
+    trace_id: str | None,
+    occurred_at: datetime,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The public event payload and the bus (outbox) payload of one new version."""
+    public = public_event(
+        task_id=ref.task_id,
+        task_version=version,
+        status=change.status,
+        stage=str(change.stage),
+        progress=change.progress,
+        asset_id=change.asset_id,
+        error_code=change.error_code,
+    )
+    payload = domain_payload(
+        ref,
+        attempt_id=attempt_id,
+        version=version,
+        change=change,
+        source=source,
+        trace_id=trace_id,
+        occurred_at=occurred_at,
+        public=public,
+    )
+    return public, payload
+
+
+async def write_events(conn: asyncpg.Connection, events: Sequence[NewEvent]) -> list[EventWritten]:
+    """``write_event`` for many events in one statement (``write_events`` in ``state.sql``).
+
+    ``events`` come in write order: grouped by project, in the order they were decided within
+    a project (their stream seqs follow that order). A task's events have consecutive versions;
+    an attempt's events carry its final values. The caller holds the task locks.
+    """
+    if not events:
+        return []
+    columns: list[list[Any]] = [[] for _ in range(22)]
+    for e in events:
+        public, payload = _payloads(
+            e.ref, e.attempt_id, e.version, e.change, e.source, e.trace_id, e.occurred_at
+        )
+        a = e.attempt_change
+        values = (
+            e.ref.project_id,
+            e.ref.tenant_id,
+            e.ref.task_id,
+            e.attempt_id,
+            e.version,
+            json.dumps(public),
+            e.source,
+            e.trace_id,
+            e.occurred_at,
+            str(e.change.status),
+            str(e.change.stage),
+            e.change.progress,
+            e.change.error_code,
+            e.change.error_message,
+            e.change.asset_id,
+            e.change.terminal,
+            json.dumps(payload),
+            a is not None,
+            str(a.provider_status) if a and a.provider_status else None,
+            a.last_provider_seq if a else None,
+            a.last_provider_at if a else None,
+            e.inbox_id,
+        )
+        for column, value in zip(columns, values, strict=True):
+            column.append(value)
+    rows = await conn.fetch(q("write_events"), *columns)
+    if len(rows) != len(events):
+        raise RuntimeError("a project of the batch has no event stream")
+    if rows[0]["tasks_updated"] != rows[0]["tasks"]:
+        raise RuntimeError("a task of the batch is not at the version it was decided on")
+    return [
+        EventWritten(epoch=row["epoch"], seq=row["seq"], version=e.version)
+        for row, e in zip(rows, events, strict=True)
+    ]
+
+
 __all__ = [
     "ApplyResult",
+    "BatchPartlyFailed",
     "EventWritten",
+    "NewEvent",
     "PlatformObservation",
     "StateService",
     "TaskRef",
     "write_event",
+    "write_events",
 ]

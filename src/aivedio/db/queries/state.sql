@@ -8,6 +8,21 @@ JOIN generation_tasks t ON t.id = a.task_id
 WHERE a.id = $1
 FOR UPDATE OF t
 
+-- name: lock_tasks_for_attempts
+-- apply_many: the tasks of a batch of attempts ($1, uuid[]) locked in one statement. ORDER BY is
+-- applied before the row locks are taken, so every batch locks its tasks in task id order and
+-- two batches cannot deadlock on task rows. locked_at is now() (the transaction's start time),
+-- what write_event stores in progress_event_at, for deciding later observations of a task.
+SELECT t.id, t.tenant_id, t.project_id, t.user_id, t.status, t.stage, t.progress, t.version,
+       t.current_attempt_id, t.progress_event_at, t.error_code, t.error_message, t.asset_id,
+       a.id AS attempt_id, a.provider_status, a.last_provider_seq, a.last_provider_at,
+       now() AS locked_at
+FROM task_attempts a
+JOIN generation_tasks t ON t.id = a.task_id
+WHERE a.id = ANY($1::uuid[])
+ORDER BY t.id, a.id
+FOR UPDATE OF t
+
 -- name: lock_task
 SELECT t.id, t.tenant_id, t.project_id, t.user_id, t.status, t.stage, t.progress, t.version,
        t.current_attempt_id, t.progress_event_at, t.error_code, t.error_message, t.asset_id,
@@ -108,3 +123,119 @@ WITH audit AS (
     RETURNING id
 )
 SELECT (SELECT id FROM audit) AS audit_id, (SELECT id FROM item) AS item_id
+
+-- name: write_events
+-- apply_many: write_event for a batch of events in one statement, one round trip. Element i of
+-- every array is one event; the events come in write order (by project, then in the order they
+-- were decided), and each one is exactly what write_event would write for it in that order:
+-- - the stream rows of the batch's projects are locked in project id order (the locked CTE is
+--   materialized, and the stream UPDATE only touches rows it produced), so two batches cannot
+--   deadlock on them; each head moves by the project's event count and events are numbered
+--   from the old head, contiguous and in order;
+-- - a task with several events ends as its last one left it (version CAS on the first one's
+--   version - 1, last_event_id its last seq, the last non-NULL trace id);
+-- - an attempt takes the provider fields of its last event (the caller passes the batch's final
+--   values there) and next_poll_at as write_event's CASE applied event after event would leave
+--   it (any terminal: NULL; else any webhook: pushed out by 30 seconds).
+-- $1 project[]  $2 tenant[]  $3 task[]  $4 attempt[]  $5 new version[]  $6 public payload[]
+-- $7 source[]  $8 trace[]  $9 occurred_at[]  $10 status[]  $11 stage[]  $12 progress[]
+-- $13 error_code[]  $14 error_message[]  $15 asset[]  $16 terminal[]  $17 domain payload[]
+-- $18 record attempt?[]  $19 provider_status[]  $20 last_provider_seq[]  $21 last_provider_at[]
+-- $22 inbox id[]
+WITH input AS MATERIALIZED (
+    SELECT *
+    FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::bigint[], $6::text[],
+                $7::text[], $8::text[], $9::timestamptz[], $10::text[], $11::text[],
+                $12::smallint[], $13::text[], $14::text[], $15::uuid[], $16::boolean[],
+                $17::text[], $18::boolean[], $19::text[], $20::bigint[], $21::timestamptz[],
+                $22::bigint[])
+        WITH ORDINALITY AS i (project_id, tenant_id, task_id, attempt_id, version, public_payload,
+                              source, trace_id, occurred_at, status, stage, progress, error_code,
+                              error_message, asset_id, terminal, payload, record_attempt,
+                              provider_status, last_provider_seq, last_provider_at, inbox_id, ord)
+), locked AS MATERIALIZED (
+    SELECT project_id FROM event_streams
+    WHERE project_id IN (SELECT project_id FROM input)
+    ORDER BY project_id
+    FOR UPDATE
+), stream AS (
+    UPDATE event_streams s
+    SET head = s.head + c.n, updated_at = now()
+    FROM (SELECT l.project_id, (SELECT count(*) FROM input WHERE input.project_id = l.project_id) AS n
+          FROM locked l) c
+    WHERE s.project_id = c.project_id
+    RETURNING s.project_id, s.epoch, s.head - c.n AS base
+), numbered AS (
+    SELECT i.*, st.epoch,
+           st.base + row_number() OVER (PARTITION BY i.project_id ORDER BY i.ord) AS seq
+    FROM input i
+    JOIN stream st ON st.project_id = i.project_id
+), event AS (
+    INSERT INTO task_events (project_id, epoch, seq, tenant_id, task_id, attempt_id,
+                             task_version, event_type, public_payload, source, trace_id,
+                             occurred_at)
+    SELECT project_id, epoch, seq, tenant_id, task_id, attempt_id, version, 'task.status',
+           public_payload::jsonb || jsonb_build_object('event_id', seq), source, trace_id,
+           occurred_at
+    FROM numbered
+    ORDER BY ord
+), last_event AS (
+    SELECT DISTINCT ON (task_id) *
+    FROM numbered
+    ORDER BY task_id, ord DESC
+), per_task AS (
+    SELECT task_id, min(version) AS first_version,
+           (array_agg(trace_id ORDER BY ord DESC) FILTER (WHERE trace_id IS NOT NULL))[1] AS trace_id
+    FROM numbered
+    GROUP BY task_id
+), task AS (
+    UPDATE generation_tasks t
+    SET status = e.status, stage = e.stage, progress = e.progress, version = e.version,
+        last_event_id = e.seq,
+        error_code = e.error_code, error_message = e.error_message, asset_id = e.asset_id,
+        progress_event_at = now(),
+        terminal_at = CASE WHEN e.terminal THEN now() END,
+        trace_id = COALESCE(p.trace_id, t.trace_id),
+        updated_at = now()
+    FROM last_event e
+    JOIN per_task p ON p.task_id = e.task_id
+    WHERE t.id = e.task_id AND t.version = p.first_version - 1
+    RETURNING t.id
+), per_attempt AS (
+    SELECT DISTINCT ON (attempt_id) attempt_id, provider_status, last_provider_seq,
+           last_provider_at,
+           bool_or(terminal) OVER w AS any_terminal,
+           bool_or(source = 'webhook') OVER w AS any_webhook
+    FROM numbered
+    WHERE record_attempt
+    WINDOW w AS (PARTITION BY attempt_id)
+    ORDER BY attempt_id, ord DESC
+), attempt AS (
+    UPDATE task_attempts a
+    SET provider_status = p.provider_status, last_provider_seq = p.last_provider_seq,
+        last_provider_at = p.last_provider_at, updated_at = now(),
+        next_poll_at = CASE
+            WHEN p.any_terminal THEN NULL
+            WHEN p.any_webhook AND a.next_poll_at IS NOT NULL
+                THEN GREATEST(a.next_poll_at, now() + interval '30 seconds')
+            ELSE a.next_poll_at
+        END
+    FROM per_attempt p
+    WHERE a.id = p.attempt_id
+    RETURNING a.id
+), outbox AS (
+    INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_version, event_type, payload)
+    SELECT 'task', task_id, version, 'task.status.changed',
+           payload::jsonb || jsonb_build_object('event_id', seq, 'epoch', epoch)
+    FROM numbered
+    ORDER BY ord
+), inbox AS (
+    UPDATE provider_callback_inbox
+    SET process_status = 'processed', processed_at = now()
+    WHERE id IN (SELECT inbox_id FROM input WHERE inbox_id IS NOT NULL)
+    RETURNING id
+)
+SELECT ord, epoch, seq, (SELECT count(*) FROM task) AS tasks_updated,
+       (SELECT count(DISTINCT task_id) FROM input) AS tasks
+FROM numbered
+ORDER BY ord
