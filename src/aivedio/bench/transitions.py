@@ -46,7 +46,8 @@ from aivedio.domain.public import public_event
 from aivedio.domain.statuses import STATUS_TABLE, Status
 from aivedio.domain.transitions import Outcome, TaskChange
 from aivedio.services.embedded import pgbench_path
-from aivedio.state.service import StateService, TaskRef, domain_payload
+from aivedio.state.events import TaskRef, domain_payload
+from aivedio.state.service import StateService
 from aivedio.state.tasks import NewTask, Principal, TaskStore
 
 

@@ -10,13 +10,11 @@ flush), each decided exactly as ``apply`` would decide it one after the other.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
-from typing import Any
 
 import asyncpg
 from prometheus_client import Counter, Histogram
@@ -26,12 +24,10 @@ from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.domain.observation import (
     Observation,
-    PlatformObservation,
     ProviderObservation,
     ProviderStatus,
 )
-from aivedio.domain.public import public_event
-from aivedio.domain.statuses import STATUS_TABLE, Stage, Status
+from aivedio.domain.statuses import Stage, Status
 from aivedio.domain.transitions import (
     AttemptChange,
     AttemptView,
@@ -44,6 +40,13 @@ from aivedio.domain.transitions import (
     decide,
 )
 from aivedio.errors import AivedioError, DatabaseUnavailable
+from aivedio.state.events import (
+    EventWritten,
+    NewEvent,
+    TaskRef,
+    write_event,
+    write_events,
+)
 
 OBSERVATIONS = Counter(
     "aivedio_observations_total",
@@ -61,13 +64,6 @@ BATCHES = Counter(
     "after the batch failed",
     ["result"],
 )
-
-
-@dataclass(frozen=True, slots=True)
-class EventWritten:
-    epoch: int
-    seq: int
-    version: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,16 +86,6 @@ class BatchPartlyFailed(AivedioError):
         failed = [i for i, r in enumerate(results) if isinstance(r, Exception)]
         super().__init__(f"{len(failed)} of {len(results)} observations failed: {failed}")
         self.results = results
-
-
-@dataclass(frozen=True, slots=True)
-class TaskRef:
-    """Who a task belongs to: what every event row carries."""
-
-    task_id: uuid.UUID
-    project_id: uuid.UUID
-    tenant_id: uuid.UUID
-    user_id: uuid.UUID
 
 
 def task_view(row: asyncpg.Record) -> TaskView:
@@ -426,34 +412,6 @@ class StateService:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class NewEvent:
-    """One new task version to write: ``write_event``'s arguments, ``write_events``' element."""
-
-    ref: TaskRef
-    attempt_id: uuid.UUID | None
-    version: int
-    change: TaskChange
-    source: str
-    trace_id: str | None
-    occurred_at: datetime
-    attempt_change: AttemptChange | None = None
-    inbox_id: int | None = None
-
-    def params(self) -> dict[str, Any]:
-        """``write_event``'s keyword arguments."""
-        return {
-            "attempt_id": self.attempt_id,
-            "version": self.version,
-            "change": self.change,
-            "source": self.source,
-            "trace_id": self.trace_id,
-            "occurred_at": self.occurred_at,
-            "attempt_change": self.attempt_change,
-            "inbox_id": self.inbox_id,
-        }
-
-
 def _new_event(
     item: _Pending, locked: _Locked, change: TaskChange, attempt_change: AttemptChange | None
 ) -> NewEvent:
@@ -483,184 +441,4 @@ def _occurred_at(obs: Observation) -> datetime:
     return obs.received_at
 
 
-def domain_payload(
-    ref: TaskRef,
-    *,
-    attempt_id: uuid.UUID | None,
-    version: int,
-    change: TaskChange,
-    source: str,
-    trace_id: str | None,
-    occurred_at: datetime,
-    public: dict[str, Any],
-) -> dict[str, Any]:
-    """The bus event (seed §12.5.5); internal consumers read ``status`` (the internal one)."""
-    return {
-        "event_type": "task.status.changed",
-        "aggregate_id": str(ref.task_id),
-        "aggregate_version": version,
-        "tenant_id": str(ref.tenant_id),
-        "project_id": str(ref.project_id),
-        "user_id": str(ref.user_id),
-        "attempt_id": str(attempt_id) if attempt_id is not None else None,
-        "status": str(change.status),
-        "public_status": STATUS_TABLE[change.status].public,
-        "stage": str(change.stage),
-        "progress": change.progress,
-        "terminal": change.terminal,
-        "asset_id": str(change.asset_id) if change.asset_id is not None else None,
-        "error_code": change.error_code,
-        "source": source,
-        "occurred_at": occurred_at.isoformat(),
-        "trace_id": trace_id,
-        "public": public,
-    }
-
-
-async def write_event(
-    conn: asyncpg.Connection,
-    ref: TaskRef,
-    *,
-    attempt_id: uuid.UUID | None,
-    version: int,
-    change: TaskChange,
-    source: str,
-    trace_id: str | None,
-    occurred_at: datetime,
-    attempt_change: AttemptChange | None = None,
-    inbox_id: int | None = None,
-) -> EventWritten:
-    """Write one new task version: stream seq, task event, task row, attempt, outbox, inbox.
-
-    The caller holds the task lock (or created the task in this transaction).
-    """
-    public, payload = _payloads(ref, attempt_id, version, change, source, trace_id, occurred_at)
-    row = await conn.fetchrow(
-        q("write_event"),
-        ref.project_id,
-        ref.tenant_id,
-        ref.task_id,
-        attempt_id,
-        version,
-        public,
-        source,
-        trace_id,
-        occurred_at,
-        str(change.status),
-        str(change.stage),
-        change.progress,
-        change.error_code,
-        change.error_message,
-        change.asset_id,
-        change.terminal,
-        payload,
-        attempt_change is not None,
-        str(attempt_change.provider_status)
-        if attempt_change and attempt_change.provider_status
-        else None,
-        attempt_change.last_provider_seq if attempt_change else None,
-        attempt_change.last_provider_at if attempt_change else None,
-        inbox_id,
-    )
-    if row is None:
-        raise RuntimeError(f"project {ref.project_id} has no event stream")
-    if row["tasks_updated"] != 1:
-        raise RuntimeError(f"task {ref.task_id} is not at version {version - 1}")
-    return EventWritten(epoch=row["epoch"], seq=row["head"], version=version)
-
-
-def _payloads(
-    ref: TaskRef,
-    attempt_id: uuid.UUID | None,
-    version: int,
-    change: TaskChange,
-    source: str,
-    trace_id: str | None,
-    occurred_at: datetime,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The public event payload and the bus (outbox) payload of one new version."""
-    public = public_event(
-        task_id=ref.task_id,
-        task_version=version,
-        status=change.status,
-        stage=str(change.stage),
-        progress=change.progress,
-        asset_id=change.asset_id,
-        error_code=change.error_code,
-    )
-    payload = domain_payload(
-        ref,
-        attempt_id=attempt_id,
-        version=version,
-        change=change,
-        source=source,
-        trace_id=trace_id,
-        occurred_at=occurred_at,
-        public=public,
-    )
-    return public, payload
-
-
-async def write_events(conn: asyncpg.Connection, events: Sequence[NewEvent]) -> list[EventWritten]:
-    """``write_event`` for many events in one statement (``write_events`` in ``state.sql``).
-
-    ``events`` come in write order: grouped by project, in the order they were decided within
-    a project (their stream seqs follow that order). A task's events have consecutive versions;
-    an attempt's events carry its final values. The caller holds the task locks.
-    """
-    if not events:
-        return []
-    columns: list[list[Any]] = [[] for _ in range(22)]
-    for e in events:
-        public, payload = _payloads(
-            e.ref, e.attempt_id, e.version, e.change, e.source, e.trace_id, e.occurred_at
-        )
-        a = e.attempt_change
-        values = (
-            e.ref.project_id,
-            e.ref.tenant_id,
-            e.ref.task_id,
-            e.attempt_id,
-            e.version,
-            json.dumps(public),
-            e.source,
-            e.trace_id,
-            e.occurred_at,
-            str(e.change.status),
-            str(e.change.stage),
-            e.change.progress,
-            e.change.error_code,
-            e.change.error_message,
-            e.change.asset_id,
-            e.change.terminal,
-            json.dumps(payload),
-            a is not None,
-            str(a.provider_status) if a and a.provider_status else None,
-            a.last_provider_seq if a else None,
-            a.last_provider_at if a else None,
-            e.inbox_id,
-        )
-        for column, value in zip(columns, values, strict=True):
-            column.append(value)
-    rows = await conn.fetch(q("write_events"), *columns)
-    if len(rows) != len(events):
-        raise RuntimeError("a project of the batch has no event stream")
-    if rows[0]["tasks_updated"] != rows[0]["tasks"]:
-        raise RuntimeError("a task of the batch is not at the version it was decided on")
-    return [
-        EventWritten(epoch=row["epoch"], seq=row["seq"], version=e.version)
-        for row, e in zip(rows, events, strict=True)
-    ]
-
-
-__all__ = [
-    "ApplyResult",
-    "BatchPartlyFailed",
-    "EventWritten",
-    "NewEvent",
-    "PlatformObservation",
-    "StateService",
-    "TaskRef",
-    "write_event",
-    "write_events",
-]
+__all__ = ["ApplyResult", "BatchPartlyFailed", "StateService"]

@@ -24,7 +24,8 @@ from aivedio.domain.public import public_error
 from aivedio.domain.statuses import CANCELABLE, RETRYABLE, STATUS_TABLE, Status
 from aivedio.domain.transitions import RETRY_CHANGE, TaskChange
 from aivedio.errors import Conflict, IdempotencyMismatch, NotFound
-from aivedio.state.service import StateService, TaskRef, write_event
+from aivedio.state.events import TaskRef, write_event
+from aivedio.state.service import StateService
 
 
 @dataclass(frozen=True, slots=True)

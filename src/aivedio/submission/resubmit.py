@@ -20,7 +20,7 @@ from aivedio.domain.observation import Source
 from aivedio.domain.statuses import STATUS_TABLE, Status
 from aivedio.domain.transitions import RETRY_CHANGE
 from aivedio.errors import Conflict, NotFound
-from aivedio.state.service import TaskRef, write_event
+from aivedio.state.events import TaskRef, write_event
 from aivedio.state.tasks import new_client_request_id
 
 # Statuses whose provider-side truth is unknown: resubmitting them is an operator's call.
