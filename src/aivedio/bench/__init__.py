@@ -10,6 +10,8 @@ import sys
 from collections.abc import Callable, Mapping
 
 from aivedio.bench.common import BenchUsageError, parse_options
+from aivedio.bench.connections import run as run_connections
+from aivedio.bench.fanout import run as run_fanout
 from aivedio.bench.ingest import run as run_ingest
 from aivedio.bench.polling import run as run_polling
 from aivedio.bench.propagation import run as run_propagation
@@ -22,6 +24,8 @@ BENCHMARKS: dict[str, Benchmark] = {
     "transitions": run_transitions,
     "ingest": run_ingest,
     "propagation": run_propagation,
+    "connections": run_connections,
+    "fanout": run_fanout,
     "polling": run_polling,
 }
 
