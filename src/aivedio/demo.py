@@ -92,5 +92,7 @@ async def _demo(settings: Settings, port: int) -> int:
 
 
 def run_demo(settings: Settings, port: int | None = None) -> int:
+    from aivedio.cli import run_loop
+
     port = port or settings.port
-    return asyncio.run(_demo(settings.listening_on(port), port))
+    return run_loop(_demo(settings.listening_on(port), port))
