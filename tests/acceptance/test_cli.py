@@ -11,6 +11,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -151,7 +152,7 @@ def read_events_until_ready(url: str, headers: dict[str, str], task_id: list[str
 
 
 def test_demo_runs_a_task_from_create_to_ready_on_the_stream(
-    env: dict[str, str], started: list[subprocess.Popen[str]]
+    env: dict[str, str], started: list[subprocess.Popen[str]], tmp_path: Path
 ) -> None:
     """The whole chain in the demo process: API -> submitter -> sandbox provider -> webhook ->
     inbox -> state -> outbox -> JetStream -> dispatcher -> Redis -> SSE, media and billing."""
@@ -162,13 +163,15 @@ def test_demo_runs_a_task_from_create_to_ready_on_the_stream(
         "AIVEDIO_PORT": str(port),
         "AIVEDIO_SANDBOX_URL": f"http://127.0.0.1:{sandbox_port}",
     }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "aivedio", "demo"],
-        env=demo_env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    log_path = tmp_path / "demo.log"
+    with log_path.open("w") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "aivedio", "demo"],
+            env=demo_env,
+            stdout=subprocess.PIPE,
+            stderr=log_file,
+            text=True,
+        )
     started.append(proc)
     assert proc.stdout is not None
     first = json.loads(proc.stdout.readline())
@@ -219,3 +222,10 @@ def test_demo_runs_a_task_from_create_to_ready_on_the_stream(
     assert video.content[4:8] == b"ftyp"  # an MP4
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
+    # the run fetched a signed output link and took webhooks: none of it reaches the logs
+    logs = log_path.read_text()
+    assert "media operation created" in logs
+    assert "sig=" not in logs
+    assert "token=" not in logs
+    assert first["api_key"] not in logs
+    assert link["url"].split("?")[1] not in logs
