@@ -41,11 +41,14 @@ class Transport(Protocol):
     def close(self, reason: CloseReason) -> None: ...
 
 
-class SseTransport(asyncio.Protocol):
-    """One SSE connection: an asyncio protocol with small buffers, no task of its own."""
+class SessionProtocol(asyncio.Protocol):
+    """What every lean transport shares: the asyncio side of flow control, wired to its session.
+
+    The socket's write buffer is bounded (``high_water`` / ``low_water``); when it fills, the
+    session queues (bounded too) and evicts a client that stays slow.
+    """
 
     __slots__ = ("_closed", "_paused", "session", "transport")
-    kind = "sse"
 
     def __init__(self, transport: asyncio.Transport, high_water: int, low_water: int) -> None:
         self.transport = transport
@@ -53,11 +56,6 @@ class SseTransport(asyncio.Protocol):
         self._paused = False
         self._closed = False
         transport.set_write_buffer_limits(high=high_water, low=low_water)
-
-    # -- asyncio.Protocol (the sniffer calls connection_made before handing over) ---------
-
-    def data_received(self, data: bytes) -> None:
-        """A client sends nothing after its request head; bytes are ignored."""
 
     def eof_received(self) -> bool:
         return False  # the client half-closed: close our side too
@@ -78,11 +76,23 @@ class SseTransport(asyncio.Protocol):
         if self.session is not None:
             self.session.on_writable()
 
-    # -- Transport -----------------------------------------------------------------------
-
     @property
     def writable(self) -> bool:
         return not self._paused and not self._closed
+
+
+class SseTransport(SessionProtocol):
+    """One SSE connection: an asyncio protocol with small buffers, no task of its own."""
+
+    __slots__ = ()
+    kind = "sse"
+
+    # -- asyncio.Protocol (the sniffer calls connection_made before handing over) ---------
+
+    def data_received(self, data: bytes) -> None:
+        """A client sends nothing after its request head; bytes are ignored."""
+
+    # -- Transport -----------------------------------------------------------------------
 
     def frame_of(self, event: Event) -> bytes:
         return event.frame

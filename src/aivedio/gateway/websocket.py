@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from aivedio.gateway import frames, wsframes
 from aivedio.gateway.closecodes import CloseReason
 from aivedio.gateway.frames import Event
+from aivedio.gateway.transport import SessionProtocol
 
 if TYPE_CHECKING:
     from aivedio.gateway.session import Session
@@ -45,21 +46,17 @@ def ws_frame(event: Event) -> bytes:
     return frame
 
 
-class WsTransport(asyncio.Protocol):
+class WsTransport(SessionProtocol):
     __slots__ = (
         "_buffer",
-        "_closed",
         "_closing",
         "_fragments",
         "_open",
-        "_paused",
         "_ping_at",
         "_read_at",
         "close_timeout",
         "commands",
         "max_message",
-        "session",
-        "transport",
     )
     kind = "ws"
 
@@ -71,20 +68,16 @@ class WsTransport(asyncio.Protocol):
         max_message: int,
         close_timeout: float,
     ) -> None:
-        self.transport = transport
-        self.session: Session | None = None
+        super().__init__(transport, high_water, low_water)
         self.commands: CommandSink | None = None
         self.max_message = max_message
         self.close_timeout = close_timeout
-        self._paused = False
-        self._closed = False
         self._open = False  # the 101 answer was written
         self._buffer = b""
         self._fragments: bytearray | None = None
         self._read_at = time.monotonic()
         self._ping_at: float | None = None
         self._closing: asyncio.TimerHandle | None = None
-        transport.set_write_buffer_limits(high=high_water, low=low_water)
 
     # -- handshake -----------------------------------------------------------------------
 
@@ -187,31 +180,11 @@ class WsTransport(asyncio.Protocol):
         else:
             self.close(reason)
 
-    def eof_received(self) -> bool:
-        return False
-
     def connection_lost(self, exc: Exception | None) -> None:
-        self._closed = True
         self._cancel_closing()
-        session, self.session = self.session, None
-        if session is not None:
-            session.on_lost()
-
-    def pause_writing(self) -> None:
-        self._paused = True
-        if self.session is not None:
-            self.session.on_paused()
-
-    def resume_writing(self) -> None:
-        self._paused = False
-        if self.session is not None:
-            self.session.on_writable()
+        super().connection_lost(exc)
 
     # -- Transport -----------------------------------------------------------------------
-
-    @property
-    def writable(self) -> bool:
-        return not self._paused and not self._closed
 
     def frame_of(self, event: Event) -> bytes:
         return ws_frame(event)
