@@ -49,9 +49,10 @@ WITH stream AS (
 ), event AS (
     INSERT INTO task_events (project_id, epoch, seq, tenant_id, task_id, attempt_id,
                              task_version, event_type, public_payload, source, trace_id,
-                             occurred_at)
+                             occurred_at, created_at)
     SELECT $1, stream.epoch, stream.head, $2, $3, $4, $5, 'task.status',
-           $6::jsonb || jsonb_build_object('event_id', stream.head), $7, $8, $9
+           $6::jsonb || jsonb_build_object('event_id', stream.head), $7, $8, $9,
+           clock_timestamp()  -- written after the stream lock: just before the commit
     FROM stream
 ), task AS (
     UPDATE generation_tasks
@@ -173,10 +174,10 @@ WITH input AS MATERIALIZED (
 ), event AS (
     INSERT INTO task_events (project_id, epoch, seq, tenant_id, task_id, attempt_id,
                              task_version, event_type, public_payload, source, trace_id,
-                             occurred_at)
+                             occurred_at, created_at)
     SELECT project_id, epoch, seq, tenant_id, task_id, attempt_id, version, 'task.status',
            public_payload::jsonb || jsonb_build_object('event_id', seq), source, trace_id,
-           occurred_at
+           occurred_at, clock_timestamp()
     FROM numbered
     ORDER BY ord
 ), last_event AS (
