@@ -16,10 +16,10 @@ from aivedio.billing import BillingConfig, BillingConsumer, PriceTable, tenant_b
 from aivedio.billing.ledger import LedgerType, closing_for, entry_for
 from aivedio.bus.jetstream import JetStreamBus
 from aivedio.bus.memory import MemoryBroker, MemoryBus
+from aivedio.consumers import ConsumerSettings, parse_status_event
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.domain.observation import PlatformKind, ProviderStatus
-from aivedio.media.events import ConsumerSettings, parse_status_event
 from aivedio.state.service import StateService
 from tests.contract.bus_contract import contract_config
 from tests.integration.consumer_helpers import (

@@ -23,12 +23,12 @@ from aivedio.billing import BillingConfig, PriceTable, tenant_balance
 from aivedio.billing.role import billing_role
 from aivedio.bus.jetstream import JetStreamBus
 from aivedio.config import ApiConfig, Settings
+from aivedio.consumers import ConsumerSettings, StatusEvent
 from aivedio.db.pool import Database
 from aivedio.domain.observation import PlatformKind, ProviderStatus
 from aivedio.media.config import MediaConfig
 from aivedio.media.consumer import MediaConsumer
 from aivedio.media.errors import TransientFetchError
-from aivedio.media.events import ConsumerSettings, StatusEvent
 from aivedio.media.locator import OutputRef
 from aivedio.media.pipeline import MediaLimits, probe
 from aivedio.media.playback import PlaybackConfig, playback_routes

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from aivedio.media.events import ConsumerSettings
+from aivedio.consumers import ConsumerSettings
 
 
 @dataclass(frozen=True, slots=True)

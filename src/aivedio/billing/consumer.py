@@ -11,9 +11,9 @@ from prometheus_client import Counter
 from aivedio.billing.config import BillingConfig
 from aivedio.billing.ledger import record
 from aivedio.bus.port import Bus
+from aivedio.consumers import TOPIC, StatusEvent, consume
 from aivedio.db.pool import Database
 from aivedio.logs import log
-from aivedio.media.events import TOPIC, StatusEvent, consume
 
 logger = logging.getLogger("aivedio.billing")
 

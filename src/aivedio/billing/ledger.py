@@ -25,10 +25,10 @@ from enum import StrEnum
 import asyncpg
 
 from aivedio.billing.config import PriceTable
+from aivedio.consumers import StatusEvent
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.domain.statuses import Status
-from aivedio.media.events import StatusEvent
 
 
 class LedgerType(StrEnum):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from aivedio.media.events import ConsumerSettings
+from aivedio.consumers import ConsumerSettings
 from aivedio.media.fetch import FetchLimits
 from aivedio.media.pipeline import MediaLimits
 from aivedio.media.retry import RetryPolicy

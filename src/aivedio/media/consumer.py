@@ -11,12 +11,12 @@ import uuid
 from prometheus_client import Counter
 
 from aivedio.bus.port import Bus
+from aivedio.consumers import TOPIC, StatusEvent, consume
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.domain.statuses import Status
 from aivedio.logs import log
 from aivedio.media.config import MediaConfig
-from aivedio.media.events import TOPIC, StatusEvent, consume
 
 logger = logging.getLogger("aivedio.media")
 

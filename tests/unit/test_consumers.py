@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from aivedio.media.events import InvalidEvent, parse_status_event
+from aivedio.consumers import InvalidEvent, parse_status_event
 from aivedio.media.retry import RetryPolicy
 
 

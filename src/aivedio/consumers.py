@@ -1,6 +1,6 @@
 """The ``task.status`` bus message as consumers read it, and the loop every consumer runs.
 
-The outbox relay publishes each outbox row's ``payload`` (``state.service.domain_payload``) on
+The outbox relay publishes each outbox row's ``payload`` (``state.events.domain_payload``) on
 topic ``task.status`` with the task id as key. Consumers read the INTERNAL ``status`` and are
 idempotent by their own business keys; this module only parses and settles deliveries:
 ack after the handler committed, nak with a delay when it failed (so a message that keeps
