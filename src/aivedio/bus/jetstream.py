@@ -104,7 +104,10 @@ class JetStreamBus:
             log.warning("nats error: %s: %s", type(exc).__name__, exc)
 
         async def on_disconnected() -> None:
-            log.warning("nats disconnected from %s", cfg.url)
+            if nc.is_closed:  # our own close(): nothing to warn about
+                log.debug("nats connection to %s closed", cfg.url)
+            else:
+                log.warning("nats disconnected from %s", cfg.url)
 
         async def on_reconnected() -> None:
             log.info("nats reconnected to %s", nc.connected_url)
