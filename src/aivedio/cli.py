@@ -16,6 +16,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aivedio.config import Settings
+from aivedio.errors import ConfigError
 
 if TYPE_CHECKING:
     from aivedio.db.pool import Database
@@ -80,6 +81,13 @@ def run_loop(main: Coroutine[Any, Any, int]) -> int:
     return uvloop.run(main)
 
 
+def _check_providers(settings: Settings) -> None:
+    """Fail before anything starts when a provider section is half set (``ConfigError``)."""
+    from aivedio.providers.registry import providers_config
+
+    providers_config(settings)
+
+
 def _cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     from aivedio.roles import run_roles
 
@@ -88,6 +96,7 @@ def _cmd_run(args: argparse.Namespace, settings: Settings) -> int:
     if unknown:
         print(f"unknown role(s): {', '.join(unknown)}; known: {', '.join(ROLES)}", file=sys.stderr)
         return 2
+    _check_providers(settings)
     code: int = run_loop(run_roles(settings, roles, port=args.port))
     return code
 
@@ -95,6 +104,7 @@ def _cmd_run(args: argparse.Namespace, settings: Settings) -> int:
 def _cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     from aivedio.demo import run_demo
 
+    _check_providers(settings)
     code: int = run_demo(settings, port=args.port)
     return code
 
@@ -277,7 +287,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     settings = Settings.from_env()
     func: Callable[[argparse.Namespace, Settings], int] = args.func
-    return func(args, settings)
+    try:
+        return func(args, settings)
+    except ConfigError as exc:
+        print(f"aivedio: configuration error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

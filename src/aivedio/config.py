@@ -83,6 +83,24 @@ class Settings(BaseSettings):
     sandbox_url: str = "http://127.0.0.1:8100"
     sandbox_api_key: str = "sandbox-key"
     sandbox_webhook_secrets: str = "whsec_c2FuZGJveC1kZWZhdWx0LXNlY3JldC0wMDAwMDAwMA=="
+    sandbox_enabled: bool = True
+    # The other provider dialects are configured when their credential is set (see
+    # providers.registry.providers_config and docs/reference/configuration.md).
+    replicate_api_token: str | None = None
+    replicate_webhook_secrets: str = ""
+    replicate_url: str = "https://api.replicate.com"
+    fal_api_key: str | None = None
+    fal_app_id: str = ""
+    fal_url: str = "https://queue.fal.run"
+    fal_jwks_url: str = "https://rest.alpha.fal.ai/.well-known/jwks.json"
+    fal_user_ids: str = ""
+    runway_api_key: str | None = None
+    runway_url: str = "https://api.dev.runwayml.com"
+    runway_api_version: str = "2024-11-06"
+    kling_access_key: str | None = None
+    kling_secret_key: str = ""
+    kling_url: str = "https://api-singapore.klingai.com"
+    kling_callback_secrets: str = ""
     log_level: str = "INFO"
     secret_key: str | None = None
     gateway_channel: str = "aivedio:events"
@@ -155,6 +173,17 @@ class Settings(BaseSettings):
             coalesce_min_interval=timedelta(seconds=self.coalesce_min_interval_s),
         )
 
+    def provider_names(self) -> frozenset[str]:
+        """The providers these settings configure (a task may name only these)."""
+        configured = {
+            "sandbox": self.sandbox_enabled,
+            "replicate": self.replicate_api_token is not None,
+            "fal": self.fal_api_key is not None,
+            "runway": self.runway_api_key is not None,
+            "kling": self.kling_access_key is not None,
+        }
+        return frozenset(name for name, on in configured.items() if on)
+
     @property
     def api(self) -> ApiConfig:
         return ApiConfig(
@@ -162,6 +191,7 @@ class Settings(BaseSettings):
             port=self.port,
             public_url=self.public_url,
             idempotency_ttl=timedelta(seconds=self.idempotency_ttl_s),
+            providers=self.provider_names(),
         )
 
     def gateway(self, redis_url: str) -> GatewayConfig:

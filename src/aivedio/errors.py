@@ -30,3 +30,7 @@ class IdempotencyMismatch(AivedioError):
 
 class Unauthorized(AivedioError):
     """Missing, unknown or revoked credential."""
+
+
+class ConfigError(AivedioError):
+    """The settings are incomplete or contradictory; the message names the variable to fix."""

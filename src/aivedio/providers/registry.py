@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from aivedio.config import Settings
+from aivedio.errors import ConfigError
 from aivedio.ingest.callback_provider import DEFAULT_MAX_BODY_BYTES, CallbackProvider
 from aivedio.ingest.jwks import FalEd25519Verifier, JwksCache, httpx_fetcher
 from aivedio.providers.base import HttpConfig, ProviderAdapter
@@ -35,7 +36,7 @@ __all__ = [
     "versioned",
 ]
 
-FAL_JWKS_URL = "https://rest.alpha.fal.ai/.well-known/jwks.json"
+FAL_JWKS_URL = "https://rest.alpha.fal.ai/.well-known/jwks.json"  # also Settings.fal_jwks_url
 
 
 def versioned(secrets: tuple[str, ...] | list[str]) -> tuple[tuple[str, str], ...]:
@@ -186,16 +187,80 @@ def callback_providers(adapters: Mapping[str, ProviderAdapter]) -> dict[str, Cal
     return {name: a for name, a in adapters.items() if a.supports_webhooks}
 
 
+def _split(value: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in value.split(",") if item.strip())
+
+
+def _require(value: str, variable: str, provider: str) -> str:
+    if not value.strip():
+        raise ConfigError(f"{provider} is configured but {variable} is empty")
+    return value.strip()
+
+
 def providers_config(settings: Settings) -> ProvidersConfig:
-    """The providers the settings configure today: the sandbox (``AIVEDIO_SANDBOX_*``), calling
-    back at ``AIVEDIO_PUBLIC_URL``. The other dialects are configured by building
-    :class:`ProvidersConfig` directly until the settings name them."""
-    secrets = tuple(s.strip() for s in settings.sandbox_webhook_secrets.split(",") if s.strip())
-    return ProvidersConfig(
-        public_url=settings.public_url,
-        sandbox=SandboxAdapterConfig(
+    """The providers the settings configure, calling back at ``AIVEDIO_PUBLIC_URL``.
+
+    The sandbox is on unless ``AIVEDIO_SANDBOX_ENABLED=false``; every other dialect is on when its
+    credential is set (``AIVEDIO_REPLICATE_API_TOKEN``, ``AIVEDIO_FAL_API_KEY``,
+    ``AIVEDIO_RUNWAY_API_KEY``, ``AIVEDIO_KLING_ACCESS_KEY``) and then needs the rest of its
+    section: a missing part raises :class:`ConfigError` naming the variable, at startup.
+    """
+    sandbox = None
+    if settings.sandbox_enabled:
+        sandbox = SandboxAdapterConfig(
             base_url=settings.sandbox_url,
             api_key=settings.sandbox_api_key,
+            webhook_secrets=_split(settings.sandbox_webhook_secrets),
+        )
+    replicate = None
+    if settings.replicate_api_token is not None:
+        secrets = _split(settings.replicate_webhook_secrets)
+        if not secrets:
+            raise ConfigError(
+                "replicate is configured but AIVEDIO_REPLICATE_WEBHOOK_SECRETS is empty"
+            )
+        replicate = ReplicateConfig(
+            api_token=_require(
+                settings.replicate_api_token, "AIVEDIO_REPLICATE_API_TOKEN", "replicate"
+            ),
             webhook_secrets=secrets,
-        ),
+            base_url=settings.replicate_url,
+        )
+    fal = None
+    if settings.fal_api_key is not None:
+        users = _split(settings.fal_user_ids)
+        fal = FalConfig(
+            api_key=_require(settings.fal_api_key, "AIVEDIO_FAL_API_KEY", "fal"),
+            app_id=_require(settings.fal_app_id, "AIVEDIO_FAL_APP_ID", "fal"),
+            base_url=settings.fal_url,
+            jwks_url=settings.fal_jwks_url,
+            expected_user_ids=users or None,
+        )
+    runway = None
+    if settings.runway_api_key is not None:
+        runway = RunwayConfig(
+            api_key=_require(settings.runway_api_key, "AIVEDIO_RUNWAY_API_KEY", "runway"),
+            base_url=settings.runway_url,
+            api_version=settings.runway_api_version,
+        )
+    kling = None
+    if settings.kling_access_key is not None:
+        token_secrets = tuple(s.encode() for s in _split(settings.kling_callback_secrets))
+        if any(len(secret) < 16 for secret in token_secrets):
+            raise ConfigError("every AIVEDIO_KLING_CALLBACK_SECRETS entry needs 16 bytes or more")
+        kling = KlingConfig(
+            access_key=_require(settings.kling_access_key, "AIVEDIO_KLING_ACCESS_KEY", "kling"),
+            secret_key=_require(settings.kling_secret_key, "AIVEDIO_KLING_SECRET_KEY", "kling"),
+            # Newest first; without rotation, one key derived from the master secret.
+            callback_token_secrets=token_secrets
+            or (settings.derived_secret("kling-callback-tokens"),),
+            base_url=settings.kling_url,
+        )
+    return ProvidersConfig(
+        public_url=settings.public_url,
+        sandbox=sandbox,
+        replicate=replicate,
+        fal=fal,
+        runway=runway,
+        kling=kling,
     )
