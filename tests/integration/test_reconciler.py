@@ -252,3 +252,50 @@ async def test_stuck_inbox_rows_are_requeued_or_dead_lettered_and_payloads_expir
     assert (rows[fresh]["process_status"], rows[fresh]["due"]) == ("pending", False)
     assert (rows[leased]["process_status"], rows[leased]["due"]) == ("pending", False)
     assert rows[done]["expired"]
+
+
+async def test_poll_items_are_resolved_once_the_facts_overtake_them(
+    db: Database, project: Project, sandbox: Sandbox
+) -> None:
+    """An attempt that answers polls well again, or that no longer matters, closes its poll item;
+    one that still fails keeps it open for an operator."""
+    attempts = {}
+    for name in ("recovered", "still_failing", "finished"):
+        _, attempts[name] = await make_task(store(db), project)
+    async with db.connection() as conn:
+        for name, attempt_id in attempts.items():
+            kind = "poll_malformed" if name == "recovered" else "poll_not_found"
+            await conn.execute(
+                "INSERT INTO reconciliation_items (kind, task_id, attempt_id, project_id, detail)"
+                " SELECT $2, task_id, id, $3, '{}' FROM task_attempts WHERE id = $1",
+                attempt_id,
+                kind,
+                project.project_id,
+            )
+        # The item was opened a moment ago; since then: a good poll, another failure, an end.
+        await conn.execute(
+            "UPDATE task_attempts SET poll_error = NULL, polled_at = now() + interval '1 second'"
+            " WHERE id = $1",
+            attempts["recovered"],
+        )
+        await conn.execute(
+            "UPDATE task_attempts SET poll_error = 'not_found',"
+            " polled_at = now() + interval '1 second' WHERE id = $1",
+            attempts["still_failing"],
+        )
+        await conn.execute(
+            "UPDATE generation_tasks SET status = 'canceled' WHERE current_attempt_id = $1",
+            attempts["finished"],
+        )
+    adapter = sandbox.adapter(NoLookupSandbox)
+    try:
+        rec = reconciler(db, adapter)
+        assert await rec.sweep_poll_items() == 2
+        assert await rec.sweep_poll_items() == 0  # resolved items are not touched again
+    finally:
+        await adapter.aclose()
+    by_attempt = {str(item["attempt_id"]): item for item in await list_items(db, None)}
+    assert by_attempt[str(attempts["recovered"])]["resolution"] == "recovered"
+    assert by_attempt[str(attempts["finished"])]["resolution"] == "attempt_finished"
+    assert by_attempt[str(attempts["finished"])]["resolved_by"] == "reconciler"
+    assert by_attempt[str(attempts["still_failing"])]["state"] == "open"

@@ -1,6 +1,6 @@
 """The reconciler role: finds what the event-driven paths missed, and never regenerates.
 
-Each round runs four sweeps; every one claims its rows so that any number of replicas share the
+Each round runs five sweeps; every one claims its rows so that any number of replicas share the
 work without doing any of it twice at once:
 
 overdue in-flight attempts
@@ -13,6 +13,10 @@ unknown submits
     recorded and ``SUBMIT_ACCEPTED`` applied (the poller takes over); not found (or no lookup)
     for longer than ``lookup_grace_s`` -> a ``submit_unknown`` item for an operator, who may
     ``aivedio tasks resubmit``.
+poll items overtaken by the facts
+    ``poll_not_found`` / ``poll_malformed`` items the poller opened are resolved by the reconciler
+    once the attempt answered a poll well again (``recovered``), or once it is no longer the
+    task's current attempt or the task finished (``attempt_finished``); the rest stay open.
 stuck inbox rows
     pending / retry rows long past their due time and not leased -> due now again, or dead
     once they used up the processor's tries.
@@ -60,6 +64,8 @@ _OVERDUE_STATUSES: list[str] = sorted(
     str(s.status) for s in STATUS_TABLE.values() if s.provider_active
 )
 
+_TERMINAL_STATUSES: list[str] = sorted(str(s.status) for s in STATUS_TABLE.values() if s.terminal)
+
 
 @dataclass(frozen=True, slots=True)
 class RoundResult:
@@ -68,6 +74,7 @@ class RoundResult:
     inbox_requeued: int = 0
     inbox_dead: int = 0
     payloads_expired: int = 0
+    poll_items_resolved: int = 0
 
     @property
     def total(self) -> int:
@@ -77,6 +84,7 @@ class RoundResult:
             + self.inbox_requeued
             + self.inbox_dead
             + self.payloads_expired
+            + self.poll_items_resolved
         )
 
 
@@ -106,13 +114,14 @@ class Reconciler:
     async def run_once(self) -> RoundResult:
         overdue = await self.sweep_overdue()
         lookups = await self.sweep_unknown_submits()
+        poll_items = await self.sweep_poll_items()
         requeued, dead = await self.sweep_stuck_inbox()
         expired = await expire_processed_payloads(
             self.db, timedelta(seconds=self.config.inbox_retention_s)
         )
         if expired:
             RECONCILED.labels("inbox_retention", "expired").inc(expired)
-        return RoundResult(overdue, lookups, requeued, dead, expired)
+        return RoundResult(overdue, lookups, requeued, dead, expired, poll_items)
 
     # -- overdue in-flight attempts ---------------------------------------------------------
 
@@ -281,6 +290,26 @@ class Reconciler:
                 q("resolve_items_of_attempt"), attempt_id, "found_by_lookup", "reconciler"
             )
         log(logger, logging.INFO, "unknown submit found by lookup", attempt_id=str(attempt_id))
+
+    # -- poll items -------------------------------------------------------------------------
+
+    async def sweep_poll_items(self) -> int:
+        async with self.db.transaction() as conn:
+            rows = await conn.fetch(
+                q("resolve_recovered_poll_items"), _TERMINAL_STATUSES, self.config.batch_size
+            )
+        for row in rows:
+            RECONCILED.labels("poll_items", str(row["resolution"])).inc()
+            log(
+                logger,
+                logging.INFO,
+                "poll item resolved",
+                item_id=row["id"],
+                kind=row["kind"],
+                attempt_id=str(row["attempt_id"]),
+                resolution=row["resolution"],
+            )
+        return len(rows)
 
     # -- inbox ------------------------------------------------------------------------------
 

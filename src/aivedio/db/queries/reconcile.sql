@@ -141,3 +141,30 @@ SET process_status = CASE WHEN stuck.retry_count >= $2 THEN 'dead' ELSE i.proces
 FROM stuck
 WHERE i.id = stuck.id
 RETURNING i.id, i.process_status
+
+-- name: resolve_recovered_poll_items
+-- Open poll_not_found / poll_malformed items the facts have overtaken: the attempt was polled
+-- successfully after the item was opened ('recovered'), or it is no longer the task's current
+-- attempt or its task is finished ('attempt_finished'). Items still failing stay open.
+-- $1 terminal statuses  $2 limit
+WITH candidates AS (
+    SELECT i.id,
+           CASE WHEN t.current_attempt_id IS DISTINCT FROM a.id OR t.status = ANY ($1::text[])
+                THEN 'attempt_finished' ELSE 'recovered' END AS resolution
+    FROM reconciliation_items i
+    JOIN task_attempts a ON a.id = i.attempt_id
+    JOIN generation_tasks t ON t.id = i.task_id
+    WHERE i.state = 'open'
+      AND i.kind IN ('poll_not_found', 'poll_malformed')
+      AND (t.current_attempt_id IS DISTINCT FROM a.id
+           OR t.status = ANY ($1::text[])
+           OR (a.poll_error IS NULL AND a.polled_at > i.created_at))
+    ORDER BY i.id
+    LIMIT $2
+    FOR UPDATE OF i SKIP LOCKED
+)
+UPDATE reconciliation_items i
+SET state = 'resolved', resolution = c.resolution, resolved_by = 'reconciler', resolved_at = now()
+FROM candidates c
+WHERE i.id = c.id
+RETURNING i.id, i.kind, i.attempt_id, i.resolution
