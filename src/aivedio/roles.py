@@ -49,11 +49,13 @@ RoleFactory = Callable[[Runtime], Awaitable[RoleParts]]
 
 
 async def _api(rt: Runtime) -> RoleParts:
+    from aivedio.api.sessions import session_routes
     from aivedio.gateway import stream_token_routes
     from aivedio.media.role import playback_routes_for
 
     secret = rt.settings.derived_secret("stream-tokens")
     routes = stream_token_routes(rt.db, secret, rt.settings.stream_token_ttl_s)
+    routes += session_routes(rt.db, rt.settings.public_url)
     from aivedio.web import web_routes
 
     return RoleParts(routes=[*routes, *playback_routes_for(rt), *web_routes()], http=True)

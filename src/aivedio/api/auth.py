@@ -1,37 +1,27 @@
-"""API-key authentication: ``Authorization: Bearer <api_key>`` -> the tenant's principal."""
+"""Who is calling a REST endpoint: ``Authorization: Bearer <api_key>``, or the browser session
+cookie ``aivedio_session`` (``api/sessions.py``: CSRF check for unsafe methods, project scope)."""
 
 from __future__ import annotations
 
+import uuid
+
 from starlette.requests import Request
 
-from aivedio.admin import hash_api_key
-from aivedio.api.http import ApiError
+from aivedio.api.sessions import Caller, bearer, caller_of
 from aivedio.db.pool import Database
-from aivedio.db.queries import q
 from aivedio.state.tasks import Principal
 
-_UNAUTHORIZED = ApiError(
-    401,
-    "unauthorized",
-    "a valid API key is required",
-    headers={"WWW-Authenticate": 'Bearer realm="aivedio"'},
-)
+__all__ = ["Caller", "authenticate", "bearer_token", "caller_of"]
 
 
 def bearer_token(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not token.strip():
-        return None
-    return token.strip()
+    return bearer(request)
 
 
-async def authenticate(db: Database, request: Request) -> Principal:
-    token = bearer_token(request)
-    if token is None or len(token) > 200:
-        raise _UNAUTHORIZED
-    async with db.connection() as conn:
-        row = await conn.fetchrow(q("principal_of_key"), hash_api_key(token))
-    if row is None:
-        raise _UNAUTHORIZED
-    return Principal(tenant_id=row["tenant_id"], user_id=row["user_id"])
+async def authenticate(
+    db: Database, request: Request, project_id: uuid.UUID | None = None
+) -> Principal:
+    """The tenant's principal; 401 without a valid credential, 403 ``csrf_refused`` for an
+    unsafe cookie request without the CSRF header, 404 for a project outside a session's scope
+    (``project_id``, default: the path's)."""
+    return (await caller_of(db, request, project_id)).principal

@@ -411,3 +411,20 @@ ALTER TABLE task_attempts
 
 CREATE INDEX idx_attempts_poll_due ON task_attempts (next_poll_at)
     WHERE next_poll_at IS NOT NULL AND provider_task_id IS NOT NULL;
+
+-- Browser sessions (migration 0008); see the migration for notes.
+CREATE TABLE browser_sessions (
+    id           UUID        PRIMARY KEY,
+    secret_hash  BYTEA       NOT NULL,
+    tenant_id    UUID        NOT NULL REFERENCES tenants (id),
+    user_id      UUID        NOT NULL,
+    project_id   UUID        REFERENCES projects (id),
+    key_id       UUID        NOT NULL REFERENCES api_keys (id),
+    created_at   TIMESTAMPTZ NOT NULL DEFAULT now(),
+    expires_at   TIMESTAMPTZ NOT NULL,
+    revoked_at   TIMESTAMPTZ,
+    CONSTRAINT uq_browser_session_secret UNIQUE (secret_hash),
+    CONSTRAINT ck_browser_session_expiry CHECK (expires_at > created_at)
+);
+
+CREATE INDEX idx_browser_sessions_key ON browser_sessions (key_id);

@@ -1,9 +1,16 @@
-"""Who may open a stream: API keys (server-side clients) and short-lived stream tokens.
+"""Who may open a stream: API keys (server-side clients), browser sessions (the HttpOnly
+``aivedio_session`` cookie, ``api/sessions.py``) and short-lived stream tokens.
 
 A stream token is ``<base64url claims>.<base64url HMAC-SHA256>``; the claims carry tenant, user,
 project, the API key that minted it (so revoking the key closes the streams opened with its
-tokens) and the expiry (<= 60 s). It may travel in a URL because it is short-lived and bound to one
-project; a long-lived credential never does.
+tokens), the browser session that minted it if one did (revoking the session closes them too; its
+expiry caps their lifetime) and the token's expiry (<= 60 s). It may travel in a URL because it
+is short-lived and bound to one project; a long-lived credential never does.
+
+A connection lives ``connection_lifetime``: the gateway's session cap, or the time left to its
+credential's expiry when that is sooner, times a jitter of 80-100 %. Revocation: the gateway
+groups its connections by ``Identity.credential_id`` (the session, else the API key) and asks
+``revoked_credentials`` every ``recheck_s``.
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ import base64
 import hashlib
 import hmac
 import json
+import random
 import time
 import uuid
 from dataclasses import dataclass
@@ -21,8 +29,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from aivedio.admin import hash_api_key
 from aivedio.api.http import ApiError, read_json
+from aivedio.api.sessions import caller_of, key_caller, revoked_credentials, session_caller
 from aivedio.db.pool import Database
 from aivedio.gateway.closecodes import CloseReason
 from aivedio.gateway.protocol import SseRequest
@@ -30,6 +38,17 @@ from aivedio.gateway.session import Identity
 from aivedio.gateway.store import EventStore
 
 MAX_TOKEN_TTL_S = 60
+
+__all__ = [
+    "MAX_TOKEN_TTL_S",
+    "Refused",
+    "StreamClaims",
+    "StreamTokens",
+    "authenticate",
+    "connection_lifetime",
+    "revoked_credentials",
+    "stream_token_routes",
+]
 
 
 class Refused(Exception):
@@ -49,6 +68,8 @@ class StreamClaims:
     project_id: uuid.UUID
     key_id: uuid.UUID
     expires_at: int  # unix seconds
+    session_id: uuid.UUID | None = None  # minted with a browser session
+    credential_expires_at: int | None = None  # that session's expiry (unix seconds)
 
 
 def _b64(raw: bytes) -> str:
@@ -76,15 +97,21 @@ class StreamTokens:
         project_id: uuid.UUID,
         key_id: uuid.UUID,
         now: float | None = None,
+        session_id: uuid.UUID | None = None,
+        credential_expires_at: int | None = None,
     ) -> tuple[str, int]:
         expires = int(now if now is not None else time.time()) + self.ttl_s
-        claims = {
+        claims: dict[str, object] = {
             "t": str(tenant_id),
             "u": str(user_id),
             "p": str(project_id),
             "k": str(key_id),
             "e": expires,
         }
+        if session_id is not None:
+            claims["s"] = str(session_id)
+        if credential_expires_at is not None:
+            claims["x"] = credential_expires_at
         body = _b64(json.dumps(claims, separators=(",", ":")).encode())
         return f"{body}.{self._sign(body)}", expires
 
@@ -101,6 +128,8 @@ class StreamTokens:
                 uuid.UUID(raw["p"]),
                 uuid.UUID(raw["k"]),
                 int(raw["e"]),
+                uuid.UUID(raw["s"]) if "s" in raw else None,
+                int(raw["x"]) if "x" in raw else None,
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise Refused(401, CloseReason.UNAUTHORIZED, "invalid stream token") from exc
@@ -110,42 +139,57 @@ class StreamTokens:
 
 
 async def authenticate(store: EventStore, tokens: StreamTokens | None, req: SseRequest) -> Identity:
-    """Tenant and project are checked here, on connect; events then follow the subscription."""
+    """Tenant and project are checked here, on connect; events then follow the subscription.
+
+    A stream token (``?token=`` or its cookie) first, then an API key (``Authorization:
+    Bearer``), then the browser session cookie."""
     if req.token is not None and tokens is not None:
         claims = tokens.verify(req.token)
         if claims.project_id != req.project_id:
             raise Refused(403, CloseReason.FORBIDDEN, "the token is for another project")
-        return Identity(claims.tenant_id, claims.user_id, claims.key_id)
-    if req.bearer is None or len(req.bearer) > 200:
-        raise Refused(401, CloseReason.UNAUTHORIZED, "an API key or stream token is required")
-    principal = await store.key_principal(hash_api_key(req.bearer))
-    if principal is None:
-        raise Refused(401, CloseReason.UNAUTHORIZED, "an API key or stream token is required")
-    key_id, tenant_id, user_id = principal
-    if await store.project_tenant(req.project_id) != tenant_id:
+        return Identity(
+            claims.tenant_id,
+            claims.user_id,
+            claims.key_id,
+            claims.session_id,
+            claims.credential_expires_at,
+        )
+    if req.bearer is not None:
+        caller = await key_caller(store.db, req.bearer)
+    elif req.session is not None:
+        caller = await session_caller(store.db, req.session)
+    else:
+        caller = None
+    if caller is None:
+        raise Refused(
+            401, CloseReason.UNAUTHORIZED, "an API key, session or stream token is required"
+        )
+    if not caller.may_use(req.project_id):
+        raise Refused(403, CloseReason.FORBIDDEN, "the session is for another project")
+    if await store.project_tenant(req.project_id) != caller.tenant_id:
         raise Refused(403, CloseReason.FORBIDDEN, "no such project for this credential")
-    return Identity(tenant_id, user_id, key_id)
+    expires = caller.expires_at.timestamp() if caller.expires_at is not None else None
+    return Identity(caller.tenant_id, caller.user_id, caller.key_id, caller.session_id, expires)
+
+
+def connection_lifetime(identity: Identity, cap_s: float, now: float | None = None) -> float:
+    """Seconds a connection may live: the session cap, or the time left to the credential's
+    expiry if sooner, times 80-100 % (so reconnects of many clients spread out)."""
+    limit = cap_s
+    if identity.expires_at is not None:
+        left = identity.expires_at - (now if now is not None else time.time())
+        limit = min(limit, max(left, 0.0))
+    return limit * random.uniform(0.8, 1.0)
 
 
 def stream_token_routes(db: Database, secret: bytes, ttl_s: int = 60) -> list[BaseRoute]:
-    """``POST /v1/stream-tokens`` ``{"project_id"}`` -> ``{"token", "expires_at"}``."""
+    """``POST /v1/stream-tokens`` ``{"project_id"}`` -> ``{"token", "expires_at"}``; authorized
+    by an API key or the browser session cookie (with its CSRF header)."""
     store = EventStore(db)
     tokens = StreamTokens(secret, ttl_s)
-    unauthorized = ApiError(
-        401,
-        "unauthorized",
-        "a valid API key is required",
-        headers={"WWW-Authenticate": 'Bearer realm="aivedio"'},
-    )
 
     async def create(request: Request) -> Response:
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not key.strip() or len(key) > 200:
-            raise unauthorized
-        principal = await store.key_principal(hash_api_key(key.strip()))
-        if principal is None:
-            raise unauthorized
-        key_id, tenant_id, user_id = principal
+        caller = await caller_of(db, request)  # a session cookie: with its CSRF check
         body = await read_json(request, 4096)
         try:
             project_id = uuid.UUID(str(body["project_id"]))
@@ -156,9 +200,19 @@ def stream_token_routes(db: Database, secret: bytes, ttl_s: int = 60) -> list[Ba
                 "project_id must be a UUID",
                 fields=[{"field": "project_id", "message": "a UUID"}],
             ) from exc
-        if await store.project_tenant(project_id) != tenant_id:
+        if not caller.may_use(project_id):  # a session bound to another project
             raise ApiError(404, "not_found", "project not found")
-        token, expires = tokens.mint(tenant_id, user_id, project_id, key_id)
+        if await store.project_tenant(project_id) != caller.tenant_id:
+            raise ApiError(404, "not_found", "project not found")
+        expires_on = caller.expires_at
+        token, expires = tokens.mint(
+            caller.tenant_id,
+            caller.user_id,
+            project_id,
+            caller.key_id,
+            session_id=caller.session_id,
+            credential_expires_at=int(expires_on.timestamp()) if expires_on is not None else None,
+        )
         expires_at = datetime.fromtimestamp(expires, UTC).isoformat()
         return JSONResponse(
             {"token": token, "expires_at": expires_at}, headers={"Cache-Control": "no-store"}

@@ -24,7 +24,13 @@ from redis.asyncio import Redis
 from aivedio.db.pool import Database
 from aivedio.errors import DatabaseUnavailable
 from aivedio.gateway import frames, metrics
-from aivedio.gateway.auth import Refused, StreamTokens, authenticate
+from aivedio.gateway.auth import (
+    Refused,
+    StreamTokens,
+    authenticate,
+    connection_lifetime,
+    revoked_credentials,
+)
 from aivedio.gateway.closecodes import CloseReason
 from aivedio.gateway.commands import Command, CommandError, parse_command
 from aivedio.gateway.config import GatewayConfig
@@ -196,7 +202,7 @@ class Gateway:
             if session.closed is not None:
                 self.hub.leave(session)
                 return
-            self.by_key.setdefault(identity.key_id, set()).add(session)
+            self.by_key.setdefault(identity.credential_id, set()).add(session)
             self.wheel.add(session)
             metrics.CONNECTIONS.labels(transport.kind).inc()
             metrics.OPENED.labels(transport.kind).inc()
@@ -215,7 +221,7 @@ class Gateway:
     def _session(
         self, transport: StreamTransport, req: StreamRequest, identity: Identity
     ) -> Session:
-        cap = self.config.session_cap_s * random.uniform(0.8, 1.0)
+        cap = connection_lifetime(identity, self.config.session_cap_s)
         return Session(
             transport,
             self,
@@ -283,12 +289,12 @@ class Gateway:
         """Called once per session when it closes, whatever closed it."""
         self.hub.leave(session)
         self.wheel.remove(session)
-        sessions = self.by_key.get(session.identity.key_id)
+        sessions = self.by_key.get(session.identity.credential_id)
         registered = sessions is not None and session in sessions
         if sessions is not None:
             sessions.discard(session)
             if not sessions:
-                del self.by_key[session.identity.key_id]
+                del self.by_key[session.identity.credential_id]
         if session in self.uncounted:
             self.uncounted.discard(session)
         else:
@@ -319,7 +325,7 @@ class Gateway:
             if stopping.is_set() or not self.by_key:
                 continue
             try:
-                revoked = await self.store.revoked(list(self.by_key))
+                revoked = await revoked_credentials(self.store.db, list(self.by_key))
             except (DatabaseUnavailable, OSError) as exc:
                 log(logger, logging.WARNING, "credential re-check failed", error=repr(exc))
                 continue

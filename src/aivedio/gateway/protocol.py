@@ -14,6 +14,8 @@ from urllib.parse import parse_qsl, unquote
 
 from aivedio.gateway.wsframes import valid_key
 
+SESSION_COOKIE = "aivedio_session"  # api/sessions.py (kept here so this module stays pure)
+
 EVENTS_PATH = re.compile(r"^/v1/projects/([^/?#]+)/events$")
 STREAM_PATH = re.compile(r"^/v1/projects/([^/?#]+)/(events|ws)$")
 PREFIX = b"GET /v1/projects/"
@@ -51,6 +53,7 @@ class StreamRequest:
     ws_key: str | None = None  # Sec-WebSocket-Key: set for (and only for) a WebSocket upgrade
     host: str | None = None
     token_from_cookie: bool = False
+    session: str | None = None  # the browser session cookie ``aivedio_session``
 
     @property
     def websocket(self) -> bool:
@@ -121,7 +124,8 @@ def parse_head(head: bytes) -> StreamRequest:
             raise BadRequest("task_id is not a UUID") from exc
     scheme, _, credential = headers.get("authorization", "").partition(" ")
     bearer = credential.strip() if scheme.lower() == "bearer" and credential.strip() else None
-    cookie = cookies(headers.get("cookie", "")).get("aivedio_stream_token") or None
+    jar = cookies(headers.get("cookie", ""))
+    cookie = jar.get("aivedio_stream_token") or None
     token = params.get("token") or cookie
     ws_key = websocket_key(headers) if match.group(2) == "ws" else None
     return StreamRequest(
@@ -134,6 +138,7 @@ def parse_head(head: bytes) -> StreamRequest:
         ws_key,
         headers.get("host"),
         token_from_cookie=bool(cookie) and not params.get("token"),
+        session=jar.get(SESSION_COOKIE) or None,
     )
 
 
@@ -141,7 +146,7 @@ def origin_allowed(req: StreamRequest, allowed: tuple[str, ...]) -> bool:
     """The WebSocket Origin allow-list (cross-site WebSocket hijacking: a browser sends its
     cookie with any page's WebSocket, so the Origin decides). ``allowed`` empty: the same origin
     as the ``Host`` header only. No Origin means no browser: allowed only with an API key (and no
-    token), never with the cookie."""
+    token), never with a cookie (the stream token's or the browser session's)."""
     if req.origin is None:
         return req.bearer is not None and req.token is None
     origin = req.origin.lower().rstrip("/")

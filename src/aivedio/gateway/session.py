@@ -28,7 +28,15 @@ class Identity:
 
     tenant_id: uuid.UUID
     user_id: uuid.UUID
-    key_id: uuid.UUID
+    key_id: uuid.UUID  # the API key (of the session, if a browser session opened it)
+    session_id: uuid.UUID | None = None  # the browser session (cookie, or the token it minted)
+    expires_at: float | None = None  # unix seconds: the credential's expiry caps the connection
+
+    @property
+    def credential_id(self) -> uuid.UUID:
+        """What a revocation names: the session if there is one (revoking its key revokes it
+        too), else the API key."""
+        return self.session_id if self.session_id is not None else self.key_id
 
 
 class Owner(Protocol):
