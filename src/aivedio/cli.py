@@ -158,6 +158,21 @@ def _cmd_bus(args: argparse.Namespace, settings: Settings) -> int:
     return code
 
 
+def _cmd_outbox(args: argparse.Namespace, settings: Settings) -> int:
+    from aivedio.propagation.outbox_admin import dead_letters_command, replay_command
+
+    async def go() -> int:
+        db = await _database(settings)
+        try:
+            if args.outbox_command == "dead-letters":
+                return await dead_letters_command(db, args.limit)
+            return await replay_command(db, args.id)
+        finally:
+            await db.close()
+
+    return asyncio.run(go())
+
+
 def _cmd_operator(args: argparse.Namespace, settings: Settings) -> int:
     """``tasks resubmit`` and ``reconcile list|resolve``: audited operator actions."""
     from aivedio.errors import Conflict, NotFound
@@ -248,6 +263,15 @@ def build_parser() -> argparse.ArgumentParser:
     again.add_argument("--group", required=True)
     again.add_argument("id")
     again.set_defaults(func=_cmd_bus)
+
+    outbox = sub.add_parser("outbox", help="outbox operations")
+    outbox_sub = outbox.add_subparsers(dest="outbox_command", required=True)
+    dead_rows = outbox_sub.add_parser("dead-letters", help="list dead outbox rows (JSON lines)")
+    dead_rows.add_argument("--limit", type=int, default=50)
+    dead_rows.set_defaults(func=_cmd_outbox)
+    requeue_row = outbox_sub.add_parser("replay", help="put one dead outbox row back to pending")
+    requeue_row.add_argument("id", type=int)
+    requeue_row.set_defaults(func=_cmd_outbox)
 
     tasks = sub.add_parser("tasks", help="operator actions on tasks")
     tasks_sub = tasks.add_subparsers(dest="tasks_command", required=True)
