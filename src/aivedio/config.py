@@ -13,7 +13,7 @@ import secrets
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -111,6 +111,10 @@ class Settings(BaseSettings):
     gateway_max_conns_per_user: int = 50
     gateway_max_conns_per_tenant: int = 5000
     gateway_connect_rate_per_s: float = 2000.0
+    # Fan-out from the dispatcher to the gateways: one broadcast channel, or node-directed
+    # (each gateway node its own channel and project -> node routes in Redis).
+    fanout: Literal["broadcast", "node"] = "broadcast"
+    gateway_node_id: str = ""  # node fan-out: this process's node id ("" -> generated)
     stream_token_ttl_s: int = 60
     ws_allowed_origins: str = ""  # comma-separated; empty: only the request's own origin
     poll_limits: str = ""
@@ -210,6 +214,8 @@ class Settings(BaseSettings):
             max_conns_per_user=self.gateway_max_conns_per_user,
             max_conns_per_tenant=self.gateway_max_conns_per_tenant,
             connect_rate_per_s=self.gateway_connect_rate_per_s,
+            fanout=self.fanout,
+            node_id=self.gateway_node_id,
         )
 
     @property

@@ -100,6 +100,10 @@ async def _relay(rt: Runtime) -> RoleParts:
 async def _dispatcher(rt: Runtime) -> RoleParts:
     from aivedio.propagation.roles import dispatcher_role
 
+    if rt.settings.fanout == "node":  # AIVEDIO_FANOUT=node: publish to interested nodes only
+        from aivedio.gateway.routing import node_dispatcher_role
+
+        return await node_dispatcher_role(rt)
     return await dispatcher_role(rt)
 
 

@@ -41,6 +41,17 @@ class GatewayConfig:
     ws_allowed_origins: tuple[str, ...] = ()
     ws_max_message: int = 4096  # incoming frame / reassembled message cap -> close 1009
     ws_close_timeout_s: float = 2.0  # after our close frame, wait this long for the client's
+    # Fan-out (docs/explanation/realtime-gateway.md#fan-out): "broadcast" subscribes to
+    # ``channel``; "node" subscribes only to ``<channel_prefix>:node:<node_id>`` and registers
+    # project -> node routes in Redis for the dispatcher (gateway/routing.py).
+    fanout: str = "broadcast"
+    node_id: str = ""  # "" -> <host>-<pid>-<random>, unique per process start
+    channel_prefix: str = "aivedio"  # the dispatcher's channel_prefix (node channels, routes)
+    route_ttl_s: float = 30.0  # a route lapses this long after its node's last refresh
+    route_check_delay_s: float = 1.0  # early tail check after a (re)registration
+    interest_ttl_s: float = 30.0  # polling interest marks (aivedio.polling.ratelimit)
+    interest_prefix: str = "aivedio:interest"
+    redis_timeout_s: float = 2.0  # per Redis command of the gateway (not the subscription)
 
 
 def origin_of(url: str) -> str:

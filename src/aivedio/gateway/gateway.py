@@ -38,6 +38,14 @@ from aivedio.gateway.hub import Hub
 from aivedio.gateway.limits import ConnectionCounters, ConnectRate
 from aivedio.gateway.protocol import BadRequest, Cursor, StreamRequest, origin_allowed, parse_head
 from aivedio.gateway.resume import resume
+from aivedio.gateway.routing import (
+    InterestMarks,
+    NodeRoutes,
+    Target,
+    check_node_id,
+    new_node_id,
+    node_channel,
+)
 from aivedio.gateway.session import NOTHING, Identity, Session
 from aivedio.gateway.store import EventStore
 from aivedio.gateway.tailcheck import TailCheck
@@ -55,10 +63,48 @@ class Gateway:
     def __init__(self, db: Database, config: GatewayConfig, redis: Redis | None = None) -> None:
         self.config = config
         self.store = EventStore(db)
-        self.redis = redis if redis is not None else Redis.from_url(config.redis_url)
+        self.redis = (
+            redis
+            if redis is not None
+            else Redis.from_url(
+                config.redis_url,
+                socket_timeout=config.redis_timeout_s,
+                socket_connect_timeout=config.redis_timeout_s,
+            )
+        )
         self.tailcheck: TailCheck
-        self.hub = Hub(self.redis, self.store, config, on_subscribed=self._on_subscribed)
+        # Fan-out: the broadcast channel, or this node's own channel plus its routes in Redis.
+        if config.fanout not in ("broadcast", "node"):
+            raise ValueError(f"fanout is 'broadcast' or 'node', not {config.fanout!r}")
+        self.node_id = check_node_id(config.node_id or new_node_id())
+        self.routes: NodeRoutes | None = None
+        channel = config.channel
+        if config.fanout == "node":
+            channel = node_channel(config.channel_prefix, self.node_id)
+            self.routes = NodeRoutes(
+                self.redis,
+                config.channel_prefix,
+                self.node_id,
+                ttl_s=config.route_ttl_s,
+                timeout_s=config.redis_timeout_s,
+                on_registered=self._on_registered,
+            )
+        self.hub = Hub(
+            self.redis,
+            self.store,
+            config,
+            on_subscribed=self._on_subscribed,
+            channel=channel,
+            on_project=self._on_project,
+        )
         self.tailcheck = TailCheck(self.hub, self.store, config)
+        self.interest = InterestMarks(
+            self.redis,
+            self._interest_targets,
+            ttl_s=config.interest_ttl_s,
+            prefix=config.interest_prefix,
+            timeout_s=config.redis_timeout_s,
+        )
         self.wheel = Wheel(config.heartbeat_s)
         self.tokens = StreamTokens(config.token_secret) if config.token_secret else None
         self.rate = ConnectRate(config.connect_rate_per_s, config.connect_burst)
@@ -85,6 +131,8 @@ class Gateway:
             self.tailcheck.run,
             self._recheck_loop,
             self.counters.run,
+            self.interest.run,
+            *((self.routes.run,) if self.routes is not None else ()),
         ):
             self._jobs.append(asyncio.create_task(job(self._stopping)))
 
@@ -92,7 +140,43 @@ class Gateway:
         await self.hub.subscribed.wait()
 
     def _on_subscribed(self) -> None:
+        """After every Redis (re)subscribe: messages may have been lost, and a restarted Redis
+        has forgotten this node's routes and interest marks."""
         self.tailcheck.wake()
+        self.interest.remark()
+        if self.routes is not None:
+            self.routes.reregister()
+
+    # -- routes and interest ---------------------------------------------------------------
+
+    def _on_project(self, project_id: uuid.UUID, watched: bool) -> None:
+        if self.routes is not None:
+            if watched:
+                self.routes.add(project_id)
+            else:
+                self.routes.discard(project_id)
+
+    def _on_registered(self, project_ids: list[uuid.UUID]) -> None:
+        """A dispatcher may have published events of these projects before it learned the
+        route: check their heads shortly (a registration race costs at most this delay)."""
+        self.tailcheck.soon(project_ids, self.config.route_check_delay_s)
+
+    @staticmethod
+    def interest_target(session: Session) -> Target | None:
+        """What a session watches, for the poller: its task, or its whole project."""
+        if session.task_filter is None:
+            return ("project", str(session.project_id))
+        if session.task_filter == NOTHING:
+            return None
+        return ("task", session.task_filter)
+
+    def _interest_targets(self) -> set[Target]:
+        targets: set[Target] = set()
+        for session in self.hub.sessions():
+            target = self.interest_target(session)
+            if target is not None:
+                targets.add(target)
+        return targets
 
     async def drain(self) -> None:
         """Refuse new streams, then close the open ones spread over ``drain_s`` (reconnects of
@@ -204,6 +288,7 @@ class Gateway:
                 return
             self.by_key.setdefault(identity.credential_id, set()).add(session)
             self.wheel.add(session)
+            self.interest.note(self.interest_target(session))
             metrics.CONNECTIONS.labels(transport.kind).inc()
             metrics.OPENED.labels(transport.kind).inc()
             position = await self.store.position(req.project_id)
@@ -243,6 +328,7 @@ class Gateway:
             return
         if cmd.type == "subscribe":
             session.task_filter = cmd.task_id
+            self.interest.note(self.interest_target(session))
         elif cmd.type == "unsubscribe":
             session.task_filter = NOTHING
         elif session.backlog is not None or session.pending is not None:

@@ -1,6 +1,8 @@
 """The node's subscriptions: one Redis Pub/Sub subscription, per-project streams, fan-out.
 
-One subscription for the whole node (the broadcast channel): every message is decoded and its
+One subscription for the whole node: the broadcast channel (``fanout="broadcast"``), or only this
+node's own channel ``<prefix>:node:<id>`` (``fanout="node"``: the dispatcher publishes there the
+events of the projects this node registered, see ``routing.py``). Every message is decoded and its
 frame encoded ONCE, then the project's stream hands the same bytes to each of its sessions.
 Redis is at-most-once; the stream's gap repair and the tail check make delivery exact.
 """
@@ -42,12 +44,19 @@ class Hub:
         store: EventStore,
         config: GatewayConfig,
         on_subscribed: Callable[[], None] = lambda: None,
+        *,
+        channel: str | None = None,
+        on_project: Callable[[uuid.UUID, bool], None] = lambda _project, _watched: None,
     ) -> None:
         self.redis = redis
         self.store = store
         self.config = config
+        self.channel = channel or config.channel  # the one channel this node subscribes to
         self.streams: dict[uuid.UUID, ProjectStream] = {}
         self.on_subscribed = on_subscribed  # the tail check runs right after every (re)subscribe
+        # (project, True) when its first stream opens, (project, False) when the last one goes:
+        # node routes are registered and dropped from here.
+        self.on_project = on_project
         self.subscribed = asyncio.Event()
 
     # -- sessions --------------------------------------------------------------------------
@@ -61,6 +70,7 @@ class Hub:
         if stream is None:
             stream = ProjectStream(session.project_id, self.store, self.config)
             self.streams[session.project_id] = stream
+            self.on_project(session.project_id, True)  # before the position is read
             starting = asyncio.ensure_future(stream.start())
         else:
             starting = None
@@ -88,6 +98,7 @@ class Hub:
         if not stream.sessions and stream.joining == 0:
             if self.streams.get(stream.project_id) is stream:
                 del self.streams[stream.project_id]
+                self.on_project(stream.project_id, False)
             stream.close()
 
     def sessions(self) -> list[Session]:
@@ -116,7 +127,7 @@ class Hub:
         while not stopping.is_set():
             pubsub = self.redis.pubsub()
             try:
-                await pubsub.subscribe(self.config.channel)
+                await pubsub.subscribe(self.channel)
                 while not stopping.is_set():
                     message = await pubsub.get_message(timeout=1.0)
                     if message is None:

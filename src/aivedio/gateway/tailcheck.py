@@ -5,6 +5,11 @@ completion event of seed 004), nothing later comes. Every ``tailcheck_s`` (and r
 Redis (re)subscribe) the heads of all of this node's active streams are read in ONE query and
 every stream behind its head is repaired from PostgreSQL. A head seen ahead on a periodic check
 is repaired only if still ahead after a short grace, so messages in flight are not re-read.
+
+``soon(projects, delay)``: an early check of some projects only, shortly after this node
+registered its route for them (node fan-out: an event published before the dispatcher learned
+the route is recovered after ``delay``, not after a whole period). Early requests made within one
+delay share one timer and one query.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
+from collections.abc import Iterable
 
 from aivedio.gateway.config import GatewayConfig
 from aivedio.gateway.hub import Hub
@@ -27,26 +34,55 @@ class TailCheck:
         self.store = store
         self.config = config
         self._now = asyncio.Event()
+        self._soon: set[uuid.UUID] = set()
+        self._soon_timer: asyncio.TimerHandle | None = None
+        self._soon_jobs: set[asyncio.Task[None]] = set()
 
     def wake(self) -> None:
         """Check now, without grace (after a Redis reconnect)."""
         self._now.set()
 
-    async def run(self, stopping: asyncio.Event) -> None:
-        while not stopping.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._now.wait(), self.config.tailcheck_s)
-            urgent = self._now.is_set()
-            self._now.clear()
-            try:
-                await self.check(0.0 if urgent else self.config.tailcheck_grace_s)
-            except Exception as exc:
-                log(logger, logging.WARNING, "tail check failed", error=repr(exc))
+    def soon(self, project_ids: Iterable[uuid.UUID], delay: float) -> None:
+        """Check these projects in about ``delay`` seconds (with the usual grace)."""
+        self._soon.update(project_ids)
+        if self._soon_timer is None and self._soon:
+            self._soon_timer = asyncio.get_running_loop().call_later(delay, self._check_soon)
 
-    async def check(self, grace: float) -> int:
-        """Compare every ready stream with its head; returns how many were behind."""
+    def _check_soon(self) -> None:
+        self._soon_timer = None
+        projects, self._soon = self._soon, set()
+        job = asyncio.create_task(self._run_check(self.config.tailcheck_grace_s, projects))
+        self._soon_jobs.add(job)
+        job.add_done_callback(self._soon_jobs.discard)
+
+    async def _run_check(self, grace: float, only: set[uuid.UUID] | None = None) -> None:
+        try:
+            await self.check(grace, only)
+        except Exception as exc:
+            log(logger, logging.WARNING, "tail check failed", error=repr(exc))
+
+    async def run(self, stopping: asyncio.Event) -> None:
+        try:
+            while not stopping.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._now.wait(), self.config.tailcheck_s)
+                urgent = self._now.is_set()
+                self._now.clear()
+                await self._run_check(0.0 if urgent else self.config.tailcheck_grace_s)
+        finally:
+            if self._soon_timer is not None:
+                self._soon_timer.cancel()
+                self._soon_timer = None
+            for job in list(self._soon_jobs):
+                job.cancel()
+
+    async def check(self, grace: float, only: set[uuid.UUID] | None = None) -> int:
+        """Compare every ready stream (of ``only``, if given) with its head; returns how many
+        were behind."""
         streams = [
-            s for s in self.hub.streams.values() if s.ready.done() and not s.ready.exception()
+            s
+            for s in self.hub.streams.values()
+            if s.ready.done() and not s.ready.exception() and (only is None or s.project_id in only)
         ]
         if not streams:
             return 0
