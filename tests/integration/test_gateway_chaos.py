@@ -225,12 +225,13 @@ class Reader:
     """Reads one connection in the background; every frame is kept, duplicates included."""
 
     client: Client
+    task_id: str | None = None  # ``?task_id=``
     frames: list[Frame] = field(default_factory=list)
     task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
         async def read() -> None:
-            async for frame in self.client.connect_once():
+            async for frame in self.client.connect_once(self.task_id):
                 self.frames.append(frame)
 
         self.task = asyncio.ensure_future(read())
@@ -275,8 +276,11 @@ async def all_delivered(readers: Sequence[Reader], head: int, seconds: float) ->
         assert reader.seqs() == list(range(1, head + 1)), reader.client.transport
 
 
-async def routed_to(router: NodeRouter, env: Env, channels: tuple[str, ...]) -> None:
-    deadline = time.monotonic() + 10
+async def routed_to(
+    router: NodeRouter, env: Env, channels: tuple[str, ...], seconds: float = 10
+) -> None:
+    """Wait until the router sends this env's project to exactly ``channels``."""
+    deadline = time.monotonic() + seconds
     while router.channels(str(env.project.project_id)) != channels:
         assert time.monotonic() < deadline, router.channels(str(env.project.project_id))
         await asyncio.sleep(0.02)

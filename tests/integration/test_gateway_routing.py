@@ -1,0 +1,241 @@
+"""Node-directed fan-out: gateway nodes register project -> node routes in Redis, the dispatcher's
+router publishes each event only to the channels of interested nodes. Routes are hints: stale or
+missing entries cost latency (the early tail check, the periodic one), never an event."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from redis.asyncio import Redis
+
+from aivedio.db.pool import Database
+from aivedio.domain.observation import ProviderStatus
+from aivedio.gateway.routing import (
+    NodeRouter,
+    NodeRoutes,
+    RouterConfig,
+    node_channel,
+    routes_changed_channel,
+    routes_key,
+)
+from aivedio.propagation.dispatcher import broadcast_channel
+from tests.integration.propagation import Subscriber, running
+from tests.integration.test_gateway_chaos import (
+    all_delivered,
+    final_statuses,
+    gateway_overrides,
+    open_readers,
+    real_chain,
+    routed_to,
+)
+from tests.integration.test_gateway_harness import Env, EnvFactory, make_env
+
+__all__ = ["make_env"]
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"troute{uuid.uuid4().hex[:8]}"
+
+
+async def eventually(check: Callable[[], object], what: str, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        assert time.monotonic() < deadline, f"timed out: {what}"
+        await asyncio.sleep(0.01)
+
+
+# -- the registry and the router --------------------------------------------------------------
+
+
+async def test_a_registration_is_seen_by_the_router_at_once_and_a_leave_removes_it(
+    redis: Redis, prefix: str
+) -> None:
+    router = NodeRouter(redis, RouterConfig(prefix=prefix, refresh_s=3600))  # announcements only
+    registered: list[list[uuid.UUID]] = []
+    routes = NodeRoutes(redis, prefix, "node-a", ttl_s=30, on_registered=registered.append)
+    project = uuid.uuid4()
+    async with running(router.run, routes.run):
+        await asyncio.wait_for(router.ready.wait(), 5)
+        await asyncio.sleep(0.2)  # the announcement subscription is up
+        assert router.channels(str(project)) == ()
+        routes.add(project)
+        await eventually(
+            lambda: router.channels(str(project)) == (node_channel(prefix, "node-a"),),
+            "the route is announced",
+        )
+        await eventually(lambda: registered == [[project]], "told the gateway (early check)")
+        score = await redis.zscore(routes_key(prefix), f"{project}:node-a")
+        assert score is not None and 25_000 < score - time.time() * 1000 <= 30_000
+        routes.discard(project)
+        await eventually(lambda: router.channels(str(project)) == (), "the leave is announced")
+        assert await redis.zscore(routes_key(prefix), f"{project}:node-a") is None
+
+
+async def test_a_router_started_later_reads_the_registry_and_shutdown_unregisters(
+    redis: Redis, prefix: str
+) -> None:
+    routes = NodeRoutes(redis, prefix, "node-b", ttl_s=30)
+    projects = [uuid.uuid4() for _ in range(3)]
+    stopping = asyncio.Event()
+    job = asyncio.create_task(routes.run(stopping))
+    for project in projects:
+        routes.add(project)
+    await eventually(lambda: routes.projects and not routes._dirty, "written")
+    await asyncio.sleep(0.1)
+    assert await redis.zcard(routes_key(prefix)) == 3
+
+    router = NodeRouter(redis, RouterConfig(prefix=prefix, refresh_s=3600))
+    async with running(router.run):
+        await asyncio.wait_for(router.ready.wait(), 5)
+        for project in projects:
+            assert router.channels(str(project)) == (node_channel(prefix, "node-b"),)
+        await asyncio.sleep(0.2)
+        stopping.set()  # a graceful stop removes and announces every route of the node
+        await asyncio.wait_for(job, 10)
+        await eventually(
+            lambda: all(router.channels(str(p)) == () for p in projects), "unregistered"
+        )
+    assert await redis.zcard(routes_key(prefix)) == 0
+
+
+async def test_a_dead_nodes_entry_lapses_by_its_own_expiry(redis: Redis, prefix: str) -> None:
+    project = uuid.uuid4()
+    expiry_ms = int((time.time() + 1.0) * 1000)
+    await redis.zadd(routes_key(prefix), {f"{project}:dead": expiry_ms, f"{project}:alive": 9e15})
+    router = NodeRouter(redis, RouterConfig(prefix=prefix, refresh_s=3600))
+    async with running(router.run):
+        await asyncio.wait_for(router.ready.wait(), 5)
+        dead, alive = node_channel(prefix, "dead"), node_channel(prefix, "alive")
+        assert router.channels(str(project)) == (alive, dead)
+        await eventually(lambda: router.channels(str(project)) == (alive,), "lapsed", 5)
+        # A removal the router did not hear about (lost announcement) changes nothing until the
+        # entry's expiry; a malformed announcement is ignored.
+        await redis.publish(routes_changed_channel(prefix), "garbage\n+x:y not-a-number")
+        await asyncio.sleep(0.2)
+        assert router.channels(str(project)) == (alive,)
+
+
+# -- gateways on the real chain -----------------------------------------------------------------
+
+
+async def node_env(
+    make_env: EnvFactory, redis_url: str, prefix: str, node: str, route_ttl_s: float = 3.0
+) -> Env:
+    return await make_env(
+        publish=False,
+        route_ttl_s=route_ttl_s,
+        **gateway_overrides(prefix, redis_url, "node", node),
+    )
+
+
+def received_at_least(watcher: Subscriber, count: int) -> Callable[[], bool]:
+    return lambda: len(watcher.received) >= count
+
+
+async def finish_tasks(env: Env, count: int) -> None:
+    for _ in range(count):
+        _, attempt = await env.new_task()
+        await env.provider(attempt, ProviderStatus.RUNNING, progress=40)
+        await env.provider(attempt, ProviderStatus.FAILED, error_code="content_rejected")
+
+
+async def test_stale_routing_entries_lose_nothing(
+    make_env: EnvFactory,
+    db: Database,
+    nats_url: str,
+    redis_url: str,
+    redis: Redis,
+    prefix: str,
+) -> None:
+    # Routes refreshed every 5 s: the lost entry below stays lost for a while.
+    env = await node_env(make_env, redis_url, prefix, "live", route_ttl_s=15.0)
+    project = str(env.project.project_id)
+    live, dead = node_channel(prefix, "live"), node_channel(prefix, "dead")
+    dead_channel = Subscriber(redis, dead)
+    await dead_channel.start()
+    async with real_chain(db, nats_url, redis_url, prefix, node=True) as router:
+        assert router is not None
+        readers = await open_readers(env)
+        await routed_to(router, env, (live,))
+
+        # A node that registered for this project and died: its entry lives until it lapses.
+        expiry = int((time.time() + 60) * 1000)
+        await redis.zadd(routes_key(prefix), {f"{project}:dead": expiry})
+        await redis.publish(routes_changed_channel(prefix), f"+{project}:dead {expiry}")
+        await routed_to(router, env, (dead, live))
+        await finish_tasks(env, 3)
+        _, head = await env.head()
+        await all_delivered(readers, head, 10)
+        await dead_channel.wait_for(lambda: len(dead_channel.received) >= head)
+
+        # This node's own entry lost behind its back (as if it had lapsed): events go only to
+        # the dead node's channel, and the tail check still delivers all of them.
+        await redis.zrem(routes_key(prefix), f"{project}:live")
+        await redis.publish(routes_changed_channel(prefix), f"-{project}:live")
+        await routed_to(router, env, (dead,))
+        await finish_tasks(env, 3)
+        _, head = await env.head()
+        await all_delivered(readers, head, 5.0)
+        for reader in readers:
+            assert set(final_statuses(reader).values()) == {"failed"}
+
+        # The node refreshes its routes (every route_ttl_s / 3) and the router's full read
+        # (refresh_s) finds the entry again: routing heals by itself.
+        await routed_to(router, env, (dead, live), seconds=15)
+        for reader in readers:
+            await reader.stop()
+    await dead_channel.stop()
+
+
+async def test_two_nodes_receive_only_their_projects_on_their_own_channels(
+    make_env: EnvFactory,
+    db: Database,
+    nats_url: str,
+    redis_url: str,
+    redis: Redis,
+    prefix: str,
+) -> None:
+    envs = [
+        await node_env(make_env, redis_url, prefix, "one"),
+        await node_env(make_env, redis_url, prefix, "two"),
+    ]
+    channels = [node_channel(prefix, "one"), node_channel(prefix, "two")]
+    for env, channel in zip(envs, channels, strict=True):
+        assert env.gateway.hub.channel == channel  # nothing but its node channel
+    numsub = dict(await redis.pubsub_numsub(broadcast_channel(prefix), *channels))
+    assert numsub == {broadcast_channel(prefix).encode(): 0} | {c.encode(): 1 for c in channels}
+    watchers = [Subscriber(redis, channel) for channel in channels]
+    for watcher in watchers:
+        await watcher.start()
+    async with real_chain(db, nats_url, redis_url, prefix, node=True) as router:
+        assert router is not None
+        readers = [await open_readers(env, ("sse", "ws")) for env in envs]
+        for env, channel in zip(envs, channels, strict=True):
+            await routed_to(router, env, (channel,))
+        for env in envs:
+            await finish_tasks(env, 3)
+        for env, env_readers in zip(envs, readers, strict=True):
+            _, head = await env.head()
+            await all_delivered(env_readers, head, 10)
+        for env, watcher in zip(envs, watchers, strict=True):
+            _, head = await env.head()
+            await watcher.wait_for(received_at_least(watcher, head))
+            projects = {m["project_id"] for m in watcher.received}
+            assert projects == {str(env.project.project_id)}
+        for env_readers in readers:
+            for reader in env_readers:
+                await reader.stop()
+    for watcher in watchers:
+        await watcher.stop()
