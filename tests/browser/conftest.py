@@ -181,7 +181,12 @@ class Stack:
 
     @property
     def page_url(self) -> str:
-        return f"{self.base}/#project={self.project_id}&key={self.api_key}"
+        """The link ``aivedio demo`` prints (the key in the fragment, exchanged for a cookie)."""
+        return self.url()
+
+    def url(self, transport: str | None = None) -> str:
+        query = f"?transport={transport}" if transport else ""
+        return f"{self.base}/{query}#project={self.project_id}&key={self.api_key}"
 
 
 @pytest.fixture

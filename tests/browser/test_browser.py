@@ -38,16 +38,28 @@ class Console:
     def states(self) -> list[str]:
         return [line.split()[2] for line in self.lines if line.startswith("aivedio state ")]
 
+    def websockets(self) -> list[str]:
+        return [line.split()[1] for line in self.lines if line.startswith("websocket ")]
+
+    def event_streams(self) -> list[str]:
+        return [
+            line.split()[1]
+            for line in self.lines
+            if line.startswith("request ") and "/events" in line
+        ]
+
     def statuses(self, task_id: str) -> list[str]:
         prefix = f"aivedio task {task_id} "
         return [line.split()[-1] for line in self.lines if line.startswith(prefix)]
 
 
-def open_page(page: Page, stack: Stack) -> Console:
+def open_page(page: Page, stack: Stack, transport: str | None = None) -> Console:
     console = Console()
     page.on("console", console)
     page.on("pageerror", lambda error: console.lines.append(f"pageerror {error}"))
-    page.goto(stack.page_url)
+    page.on("websocket", lambda ws: console.lines.append(f"websocket {ws.url}"))
+    page.on("request", lambda request: console.lines.append(f"request {request.url}"))
+    page.goto(stack.url(transport))
     indicator = page.locator("#live")
     try:
         indicator_state(indicator, "live")
@@ -107,8 +119,9 @@ def test_the_page_is_served_with_its_client(demo: Stack) -> None:
     assert httpx.get(f"{demo.base}/static/../index.html").status_code == 404
 
 
-def test_a_task_reaches_ready_in_the_page(page: Page, demo: Stack) -> None:
-    console = open_page(page, demo)
+@pytest.mark.parametrize("transport", ["sse", "websocket"])
+def test_a_task_reaches_ready_in_the_page(page: Page, demo: Stack, transport: str) -> None:
+    console = open_page(page, demo, transport)
     row = generate(page, "a cat on a skateboard", '{"sandbox": {"duration_s": 1.5, "steps": 3}}')
     task_id = wait_ready(row)
     statuses = console.statuses(task_id)
@@ -121,6 +134,7 @@ def test_a_task_reaches_ready_in_the_page(page: Page, demo: Stack) -> None:
     expect(link).to_have_attribute("href", re.compile(r"/v1/media/"))
     assert snapshot_status(demo, task_id) == "ready"
     assert console.states() == ["connecting", "live"]
+    assert_transport(console, transport)
     shot = os.environ.get("AIVEDIO_SCREENSHOT")
     if shot:
         page.screenshot(path=shot, full_page=True)
@@ -143,12 +157,16 @@ def test_the_stream_stays_open_after_a_task_completes(page: Page, demo: Stack) -
     assert console.states() == ["connecting", "live"]
 
 
-def test_the_page_survives_a_gateway_killed_mid_task(page: Page, split: Stack) -> None:
+@pytest.mark.parametrize("transport", ["sse", "websocket"])
+def test_the_page_survives_a_gateway_killed_mid_task(
+    page: Page, split: Stack, transport: str
+) -> None:
     """SIGKILL the process that serves the API and the stream while the task runs at the
-    provider; start it again on the same port. The page resumes from its cursor."""
+    provider; start it again on the same port. The page resumes from its cursor (the session
+    cookie lives in PostgreSQL, so the restarted process accepts it)."""
     from playwright.sync_api import expect
 
-    console = open_page(page, split)
+    console = open_page(page, split, transport)
     row = generate(page, "through a crash", '{"sandbox": {"duration_s": 6, "steps": 3}}')
     expect(row).to_have_attribute("data-status", "running", timeout=30_000)
     core = split.procs[-1]
@@ -166,6 +184,7 @@ def test_the_page_survives_a_gateway_killed_mid_task(page: Page, split: Stack) -
     assert states[:2] == ["connecting", "live"]
     assert states[-1] == "live"
     assert "paused" in states  # it did lose the stream, and came back
+    assert_transport(console, transport)
 
 
 def test_a_reset_rereads_the_snapshot_and_the_stream_goes_on(page: Page, demo: Stack) -> None:
@@ -202,3 +221,62 @@ def test_a_reset_rereads_the_snapshot_and_the_stream_goes_on(page: Page, demo: S
     assert console.statuses(later)[-1] == "ready"
     assert console.states() == ["connecting", "live"]  # the reset did not drop the stream
     assert len(rewritten) == 1
+
+
+def assert_transport(console: Console, transport: str) -> None:
+    """Every stream the page opened used ``transport``, with no credential in its URL."""
+    opened = console.websockets() if transport == "websocket" else console.event_streams()
+    other = console.event_streams() if transport == "websocket" else console.websockets()
+    assert opened, console.lines
+    assert not other, other
+    assert all("token=" not in url and "key=" not in url for url in opened), opened
+    assert all(re.search(r"/v1/projects/[^/]+/(events|ws)", url) for url in opened), opened
+
+
+def test_the_page_trades_the_key_for_an_httponly_cookie(page: Page, demo: Stack) -> None:
+    """The key in the printed link is exchanged once for the session cookie: afterwards the
+    address bar, the history and every request URL are free of it, no script can read the
+    cookie, and a reload still works on the cookie alone."""
+    console = open_page(page, demo)
+    assert demo.api_key not in page.url and "key=" not in page.url
+    assert page.url == f"{demo.base}/"
+    assert "aivedio_session" not in page.evaluate("document.cookie")
+    cookies = {c["name"]: c for c in page.context.cookies()}
+    session = cookies["aivedio_session"]
+    assert session["httpOnly"] is True
+    assert session["sameSite"] == "Strict"
+    assert session["path"] == "/"
+    assert session["secure"] is False  # the demo's public URL is http
+    assert demo.api_key not in session["value"]
+    # about:blank, then the page: its entry was replaced, not pushed, so Back never shows the key
+    assert page.evaluate("history.length") == 2
+    assert not any(demo.api_key in line for line in console.lines if line.startswith("request "))
+    wait_ready(generate(page, "on the cookie", FAST))
+    # a reload: no fragment any more, the cookie alone finds the project and opens the stream
+    reloaded = Console()
+    page.on("console", reloaded)
+    page.reload()
+    indicator_state(page.locator("#live"), "live")
+    assert page.url == f"{demo.base}/"
+    assert page.locator("#tasks li").count() >= 1
+    # ending the session revokes it: the page says so, and the cookie opens nothing any more
+    page.locator("#signout").click()
+    from playwright.sync_api import expect
+
+    expect(page.locator("#setup")).to_be_visible()
+    status = page.evaluate(
+        """async (p) => (await fetch(`/v1/projects/${p}/tasks`)).status""", demo.project_id
+    )
+    assert status == 401
+
+
+def test_the_transport_select_switches_to_the_websocket(page: Page, demo: Stack) -> None:
+    console = open_page(page, demo)
+    assert console.websockets() == []
+    page.locator("#transport").select_option("websocket")
+    page.wait_for_url(re.compile(r"\?transport=websocket$"))
+    indicator_state(page.locator("#live"), "live")
+    assert "key=" not in page.url
+    assert console.websockets(), console.lines
+    task_id = wait_ready(generate(page, "over the websocket", FAST))
+    assert console.statuses(task_id)[-1] == "ready"

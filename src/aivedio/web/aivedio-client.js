@@ -1,26 +1,37 @@
 // aivedio browser client: snapshot, then stream; exact resume by cursor. No dependencies.
 //
-//   import { createClient } from "/static/aivedio-client.js";
-//   const client = createClient({ baseUrl: "", projectId, getStreamToken, apiKey, onTask, onState });
+//   import { createClient, createSession } from "/static/aivedio-client.js";
+//   const client = createClient({ baseUrl: "", projectId, transport: "sse", onTask, onState });
 //   await client.start();            // snapshot + stream, BEFORE any task is created (seed 004)
 //   await client.createTask({ provider: "sandbox", model: "sbx-1", prompt: "a cat", params: {} });
 //   client.stop();                   // only when the view goes away
+//
+// Credentials, in this order: `getStreamToken` (a token for each stream, fetched from your
+// backend), `apiKey` (server-side scripts and tests only; a page never holds one), else the
+// browser session cookie `aivedio_session` (HttpOnly, set by `createSession` or by your backend):
+// the browser sends it by itself with the REST calls, the EventSource and the WebSocket, so no
+// credential ever appears in a URL. Every REST call carries `X-Aivedio-CSRF: 1`, which the API
+// requires of unsafe requests authorized by the cookie.
+//
+// Transports (`transport`): "sse" (EventSource, the default) or "websocket". The same events,
+// the same rules, the same cursor; the WebSocket resumes with `?after=<cursor>` on its URL too.
 //
 // Rules it keeps (docs/reference/events.md, DESIGN.md decisions 1-6):
 // - The stream is opened before a task is created and stays open while the view is open; it is
 //   never closed because a task finished.
 // - An event is applied only if its task_version is higher than the one shown; a seq already
 //   seen is ignored.
-// - It remembers the last cursor (`<epoch>-<seq>`) and resumes with `?after=`; every (re)connect
-//   gets a fresh stream token (they live <= 60 s), so it runs its own reconnect loop with
-//   full-jitter exponential backoff instead of the EventSource's built-in one.
-// - `event: reset` -> re-read the snapshot and go on from the reset's cursor.
+// - It remembers the last cursor (`<epoch>-<seq>`) and resumes with `?after=`; it runs its own
+//   reconnect loop with full-jitter exponential backoff (every reconnect may need a fresh stream
+//   token: they live <= 60 s) instead of the EventSource's built-in one.
+// - `reset` -> re-read the snapshot and go on from the reset's cursor.
 // - After `maxFailures` consecutive failures it polls the snapshot every 10-30 s (jittered),
 //   reports the state "paused" ("live updates paused"), keeps reconnecting in the background and
 //   returns to "live" when a stream opens again.
 //
 // States passed to onState(state, detail): "connecting", "live", "paused", "stopped", "error"
-// ("error": the server refused the credential for good, e.g. a revoked key; nothing is retried).
+// ("error": the server refused the credential for good, e.g. a revoked key or session; nothing is
+// retried).
 
 const FINAL = new Set(["ready", "failed", "canceled"]);
 
@@ -52,7 +63,59 @@ function newKey() {
   return `k-${Date.now().toString(36)}-${Math.random().toString(36).slice(2)}`;
 }
 
-class HttpError extends Error {
+export const CSRF_HEADER = "X-Aivedio-CSRF";
+
+/** The WebSocket URL of an API path (`baseUrl` "" = this page's origin). */
+export function websocketUrl(baseUrl, path) {
+  const base = baseUrl || globalThis.location.origin;
+  return base.replace(/^http(s?):/i, "ws$1:") + path;
+}
+
+/**
+ * Exchange an API key ONCE for the browser session cookie (`POST /v1/sessions`), then forget the
+ * key: the cookie is HttpOnly (no script can read it) and authorizes everything that follows.
+ * Returns the session's description `{id, project_id, created_at, expires_at}`.
+ */
+export async function createSession({ baseUrl = "", apiKey, projectId = null, fetchImpl }) {
+  const doFetch = fetchImpl || ((...args) => globalThis.fetch(...args));
+  const response = await doFetch(`${baseUrl}/v1/sessions`, {
+    method: "POST",
+    headers: { Authorization: `Bearer ${apiKey}`, "Content-Type": "application/json" },
+    body: JSON.stringify(projectId ? { project_id: projectId } : {}),
+    credentials: "same-origin",
+    cache: "no-store",
+  });
+  const data = await response.json().catch(() => null);
+  if (!response.ok) throw new HttpError(response.status, data);
+  return data.session;
+}
+
+/** The session the cookie holds (`GET /v1/sessions/current`), or null without a live one. */
+export async function currentSession({ baseUrl = "", fetchImpl } = {}) {
+  const doFetch = fetchImpl || ((...args) => globalThis.fetch(...args));
+  const response = await doFetch(`${baseUrl}/v1/sessions/current`, {
+    credentials: "same-origin",
+    cache: "no-store",
+  });
+  if (response.status === 401) return null;
+  const data = await response.json().catch(() => null);
+  if (!response.ok) throw new HttpError(response.status, data);
+  return data.session;
+}
+
+/** Revoke the session (`DELETE /v1/sessions/current`); its streams close within 5 s. */
+export async function endSession({ baseUrl = "", fetchImpl } = {}) {
+  const doFetch = fetchImpl || ((...args) => globalThis.fetch(...args));
+  const response = await doFetch(`${baseUrl}/v1/sessions/current`, {
+    method: "DELETE",
+    headers: { [CSRF_HEADER]: "1" },
+    credentials: "same-origin",
+    cache: "no-store",
+  });
+  if (!response.ok) throw new HttpError(response.status, await response.json().catch(() => null));
+}
+
+export class HttpError extends Error {
   constructor(status, body) {
     super((body && body.error && body.error.message) || `HTTP ${status}`);
     this.status = status;
@@ -64,19 +127,23 @@ class HttpError extends Error {
  * @param {object} options
  * @param {string} [options.baseUrl]  API origin ("" = the page's own origin)
  * @param {string} options.projectId
- * @param {string} [options.apiKey]   DEMO ONLY: a real page never holds an API key; it passes
- *                                    getStreamToken and authHeaders backed by its own session.
- * @param {() => Promise<string>} [options.getStreamToken]  returns a fresh stream token
- * @param {() => object} [options.authHeaders]  headers for the REST calls (default: the API key)
+ * @param {"sse"|"websocket"} [options.transport]  how events arrive (default "sse")
+ * @param {string} [options.apiKey]   server-side scripts and tests only: a page never holds an
+ *                                    API key (it uses the session cookie, see createSession)
+ * @param {() => Promise<string>} [options.getStreamToken]  returns a fresh stream token; without
+ *                                    it and without apiKey the session cookie authorizes streams
+ * @param {() => object} [options.authHeaders]  headers for the REST calls (default: the API key
+ *                                    if any; the cookie needs none)
  * @param {(task: object) => void} [options.onTask]   a task's view changed
  * @param {(state: string, detail: object) => void} [options.onState]
- * @param {(reset: object) => void} [options.onReset]  an `event: reset` arrived ({reason, cursor})
+ * @param {(reset: object) => void} [options.onReset]  a `reset` arrived ({reason, cursor})
  */
 export function createClient(options) {
   const {
     baseUrl = "",
     projectId,
     apiKey,
+    transport = "sse",
     onTask = () => {},
     onState = () => {},
     onReset = () => {},
@@ -88,59 +155,77 @@ export function createClient(options) {
     listLimit = 50,
     random = Math.random,
     EventSourceImpl = globalThis.EventSource,
+    WebSocketImpl = globalThis.WebSocket,
     fetchImpl = (...args) => globalThis.fetch(...args),
   } = options;
   if (!projectId) throw new Error("projectId is required");
+  if (transport !== "sse" && transport !== "websocket") {
+    throw new Error('transport is "sse" or "websocket"');
+  }
   const authHeaders =
     options.authHeaders || (() => (apiKey ? { Authorization: `Bearer ${apiKey}` } : {}));
   const project = encodeURIComponent(projectId);
-  const api = (path) => `${baseUrl}/v1/projects/${project}${path}`;
+  const path = (rest) => `/v1/projects/${project}${rest}`;
+  const api = (rest) => `${baseUrl}${path(rest)}`;
 
   const tasks = new Map(); // task id -> the task as shown (a snapshot with events applied)
   let cursor = null; // `<epoch>-<seq>` of the last event applied, or of the snapshot
   let epoch = null;
   let lastSeq = -1;
-  let source = null;
+  let source = null; // the EventSource or WebSocket
   let running = false;
   let state = "stopped";
   let failures = 0;
   let reconnectTimer = null;
   let pollTimer = null;
-  let generation = 0; // bumps on every (re)connect so a stale EventSource's events are ignored
+  let generation = 0; // bumps on every (re)connect so a stale stream's events are ignored
   const fetchingAsset = new Set();
 
   function setState(next, detail = {}) {
     if (next === state && next !== "paused") return;
     state = next;
-    onState(next, { failures, cursor, ...detail });
+    onState(next, { failures, cursor, transport, ...detail });
   }
 
-  async function request(method, path, body, headers = {}) {
-    const init = { method, headers: { ...authHeaders(), ...headers }, cache: "no-store" };
+  function headers(extra = {}) {
+    return { [CSRF_HEADER]: "1", ...authHeaders(), ...extra };
+  }
+
+  async function request(method, rest, body, extra = {}) {
+    const init = {
+      method,
+      headers: headers(extra),
+      cache: "no-store",
+      credentials: "same-origin",
+    };
     if (body !== undefined) {
       init.headers["Content-Type"] = "application/json";
       init.body = JSON.stringify(body);
     }
-    const response = await fetchImpl(api(path), init);
+    const response = await fetchImpl(api(rest), init);
     const text = await response.text();
     const data = text ? JSON.parse(text) : null;
     if (!response.ok) throw new HttpError(response.status, data);
     return data;
   }
 
+  // null: the session cookie authorizes the stream (nothing in the URL)
   const getStreamToken =
     options.getStreamToken ||
-    (async () => {
-      const response = await fetchImpl(`${baseUrl}/v1/stream-tokens`, {
-        method: "POST",
-        headers: { ...authHeaders(), "Content-Type": "application/json" },
-        body: JSON.stringify({ project_id: projectId }),
-        cache: "no-store",
-      });
-      const data = await response.json().catch(() => null);
-      if (!response.ok) throw new HttpError(response.status, data);
-      return data.token;
-    });
+    (apiKey
+      ? async () => {
+          const response = await fetchImpl(`${baseUrl}/v1/stream-tokens`, {
+            method: "POST",
+            headers: headers({ "Content-Type": "application/json" }),
+            body: JSON.stringify({ project_id: projectId }),
+            cache: "no-store",
+            credentials: "same-origin",
+          });
+          const data = await response.json().catch(() => null);
+          if (!response.ok) throw new HttpError(response.status, data);
+          return data.token;
+        }
+      : null);
 
   function moveCursor(next) {
     const parsed = parseCursor(next);
@@ -196,28 +281,19 @@ export function createClient(options) {
     return data.cursor;
   }
 
-  function onFrame(gen, frame) {
+  // -- what both transports deliver ------------------------------------------------------
+
+  /** One task event with its cursor `<epoch>-<seq>` (the SSE `id:`, the WebSocket `cursor`). */
+  function onEvent(gen, eventCursor, event) {
     if (gen !== generation) return;
-    const id = parseCursor(frame.lastEventId);
+    const id = parseCursor(eventCursor);
     if (id && id.epoch === epoch && id.seq <= lastSeq) return; // a seq already seen
-    let event;
-    try {
-      event = JSON.parse(frame.data);
-    } catch {
-      return;
-    }
     applyEvent(event);
-    if (id) moveCursor(frame.lastEventId);
+    if (id) moveCursor(eventCursor);
   }
 
-  async function handleReset(gen, frame) {
+  async function onResetData(gen, data) {
     if (gen !== generation) return;
-    let data;
-    try {
-      data = JSON.parse(frame.data);
-    } catch {
-      return;
-    }
     // The stream goes on from the reset's cursor; the snapshot is newer than it, and the
     // task_version rule drops the events between the two.
     moveCursor(data.cursor);
@@ -229,22 +305,93 @@ export function createClient(options) {
     }
   }
 
-  function onClose(gen, frame) {
+  function onOpened(gen) {
     if (gen !== generation) return;
-    let data = {};
-    try {
-      data = JSON.parse(frame.data);
-    } catch {
-      // treat as a reconnectable close
-    }
-    if (data.reconnect === false) {
-      closeSource();
-      stopPolling();
-      running = false;
-      setState("error", { reason: data.reason, code: data.code });
+    failures = 0;
+    stopPolling();
+    setState("live");
+  }
+
+  /** The server closed the stream with a named reason: terminal ones stop for good. */
+  function onClosed(gen, { reason, code, reconnect }) {
+    if (gen !== generation) return;
+    if (reconnect === false) {
+      giveUp({ reason, code });
       return;
     }
-    fail(gen, data.reason || "closed");
+    fail(gen, reason || "closed");
+  }
+
+  function giveUp(detail) {
+    closeSource();
+    stopPolling();
+    running = false;
+    clearTimeout(reconnectTimer);
+    setState("error", detail);
+  }
+
+  // -- the two transports ----------------------------------------------------------------
+
+  function parseData(frame) {
+    try {
+      return JSON.parse(frame.data);
+    } catch {
+      return null;
+    }
+  }
+
+  function openEventSource(gen, params) {
+    const query = params.toString();
+    const es = new EventSourceImpl(api(`/events${query ? `?${query}` : ""}`), {
+      withCredentials: true,
+    });
+    es.onopen = () => onOpened(gen);
+    es.onerror = () => fail(gen, "stream_error");
+    es.addEventListener("task.status", (frame) => {
+      const data = parseData(frame);
+      if (data) onEvent(gen, frame.lastEventId, data);
+    });
+    es.addEventListener("reset", (frame) => {
+      const data = parseData(frame);
+      if (data) onResetData(gen, data);
+    });
+    es.addEventListener("close", (frame) => {
+      const data = parseData(frame) || {};
+      onClosed(gen, data);
+    });
+    return es;
+  }
+
+  function openWebSocket(gen, params) {
+    const query = params.toString();
+    const ws = new WebSocketImpl(websocketUrl(baseUrl, path(`/ws${query ? `?${query}` : ""}`)));
+    ws.onopen = () => onOpened(gen);
+    ws.onmessage = (message) => {
+      const data = parseData(message);
+      if (!data) return;
+      if (data.type === "task.status") {
+        onEvent(gen, data.cursor, {
+          event_id: data.event_id,
+          task_id: data.task_id,
+          task_version: data.task_version,
+          ...data.payload,
+        });
+      } else if (data.type === "reset") {
+        onResetData(gen, data);
+      }
+      // "start" (where a cursor-less stream begins) and command replies need nothing here
+    };
+    // 4500-4999: terminal (the close reason's code + 1000); anything else reconnects. A refused
+    // handshake (401, 403) reaches a page only as a 1006 close: it is retried with backoff, then
+    // polled, like a network failure (the EventSource cannot tell them apart either).
+    ws.onclose = (event) =>
+      onClosed(gen, {
+        reason: event.reason || `ws_${event.code}`,
+        code: event.code,
+        reconnect: !(event.code >= 4500 && event.code < 5000),
+      });
+    ws.onerror = () => {}; // a close event always follows
+    return ws;
   }
 
   function closeSource() {
@@ -280,33 +427,20 @@ export function createClient(options) {
     const gen = generation;
     try {
       if (cursor === null) moveCursor(await readSnapshot());
-      const token = await getStreamToken();
+      const params = new URLSearchParams();
+      if (getStreamToken) params.set("token", await getStreamToken());
       if (gen !== generation || !running) return;
-      const params = new URLSearchParams({ token });
       if (cursor !== null) params.set("after", cursor);
-      source = new EventSourceImpl(api(`/events?${params}`));
+      source =
+        transport === "websocket" ? openWebSocket(gen, params) : openEventSource(gen, params);
     } catch (error) {
       if (error instanceof HttpError && (error.status === 401 || error.status === 403)) {
         // a refused credential does not get better by retrying it
-        closeSource();
-        stopPolling();
-        running = false;
-        setState("error", { reason: error.code || "unauthorized", status: error.status });
+        giveUp({ reason: error.code || "unauthorized", status: error.status });
         return;
       }
       fail(gen, "connect_failed");
-      return;
     }
-    source.onopen = () => {
-      if (gen !== generation) return;
-      failures = 0;
-      stopPolling();
-      setState("live");
-    };
-    source.onerror = () => fail(gen, "stream_error");
-    source.addEventListener("task.status", (frame) => onFrame(gen, frame));
-    source.addEventListener("reset", (frame) => handleReset(gen, frame));
-    source.addEventListener("close", (frame) => onClose(gen, frame));
   }
 
   function startPolling() {
@@ -316,7 +450,12 @@ export function createClient(options) {
         // the stream cursor stays: the list covers only the newest tasks, so resuming from its
         // cursor could skip an older task's events; the replay (or a reset) is exact
         await readSnapshot();
-      } catch {
+      } catch (error) {
+        if (error instanceof HttpError && (error.status === 401 || error.status === 403)) {
+          // the credential is gone (an expired or revoked session): retrying cannot help
+          giveUp({ reason: error.code || "unauthorized", status: error.status });
+          return;
+        }
         // still paused; try again at the next tick
       }
       if (pollTimer !== null) pollTimer = setTimeout(tick, jitteredPoll());
@@ -341,6 +480,7 @@ export function createClient(options) {
     get cursor() {
       return cursor;
     },
+    transport,
     /** Snapshot, then open the stream. Call it before creating any task. */
     async start() {
       if (running) return;
@@ -379,12 +519,13 @@ export function createClient(options) {
     /** A fresh, signed link to a ready task's video (the playback path re-checks the caller). */
     async playbackUrl(task) {
       if (!task.asset) return null;
-      const path =
+      const assetPath =
         task.asset.playback_url ||
         `/v1/projects/${project}/assets/${encodeURIComponent(task.asset.id)}/playback`;
-      const response = await fetchImpl(`${baseUrl}${path}`, {
-        headers: authHeaders(),
+      const response = await fetchImpl(`${baseUrl}${assetPath}`, {
+        headers: headers(),
         cache: "no-store",
+        credentials: "same-origin",
       });
       const data = await response.json().catch(() => null);
       if (!response.ok) throw new HttpError(response.status, data);

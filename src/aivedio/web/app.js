@@ -1,10 +1,21 @@
 // The demo page: a prompt, a Generate button, the project's tasks live.
 //
-// DEMO ONLY: the project id and the API key come from the URL fragment (`#project=..&key=..`),
-// which `aivedio demo` prints; a fragment never reaches a server or its logs. A real deployment
-// never gives a browser an API key: its own session endpoint mints the stream token
-// (`getStreamToken`) and authorizes the REST calls (`authHeaders`).
-import { createClient, isFinal } from "/static/aivedio-client.js";
+// Credentials: `aivedio demo` prints a link `/#project=<id>&key=<api_key>`. A fragment never
+// reaches a server or its logs; the page exchanges the key ONCE for the browser session cookie
+// (`POST /v1/sessions`, HttpOnly and SameSite=Strict: no script can read it), forgets the key and
+// strips the fragment from the address bar and the history (`history.replaceState`). From then on
+// only the cookie authorizes the REST calls and the stream, so a reload keeps working (the page
+// asks `GET /v1/sessions/current` for its project) and nothing secret stays in the URL.
+//
+// Transport: `?transport=websocket` (or the select in the header) streams over the WebSocket;
+// the default is SSE.
+import {
+  createClient,
+  createSession,
+  currentSession,
+  endSession,
+  isFinal,
+} from "/static/aivedio-client.js";
 
 const STATES = {
   connecting: "connecting…",
@@ -13,10 +24,10 @@ const STATES = {
   stopped: "stopped",
   error: "disconnected",
 };
+const TRANSPORTS = new Set(["sse", "websocket"]);
 
-const fragment = new URLSearchParams(window.location.hash.slice(1));
-const projectId = fragment.get("project");
-const apiKey = fragment.get("key");
+const query = new URLSearchParams(window.location.search);
+const transport = TRANSPORTS.has(query.get("transport")) ? query.get("transport") : "sse";
 const prompts = new Map(); // task id -> prompt, for the tasks this page created
 const rows = new Map(); // task id -> <li>
 
@@ -96,22 +107,67 @@ async function openAsset(event) {
 
 let client = null;
 
+/** The project to show: exchange a key from the fragment for the cookie, or use the cookie. */
+async function sessionProject() {
+  const fragment = new URLSearchParams(window.location.hash.slice(1));
+  let apiKey = fragment.get("key");
+  const fromFragment = fragment.get("project");
+  if (window.location.hash) {
+    // strip the fragment at once: the key must not stay in the address bar or the history
+    history.replaceState(history.state, "", window.location.pathname + window.location.search);
+  }
+  if (apiKey) {
+    try {
+      const session = await createSession({ baseUrl: "", apiKey, projectId: fromFragment });
+      return session.project_id || fromFragment;
+    } finally {
+      apiKey = null; // forgotten: from now on the HttpOnly cookie is the only credential
+    }
+  }
+  const session = await currentSession({ baseUrl: "" });
+  if (session === null) return null;
+  return session.project_id || fromFragment;
+}
+
+function showSetup() {
+  $("setup").hidden = false;
+  $("generate").disabled = true;
+  renderState("stopped", {});
+}
+
 async function main() {
-  if (!projectId || !apiKey) {
-    $("setup").hidden = false;
-    $("generate").disabled = true;
-    renderState("stopped", {});
+  const picker = $("transport");
+  picker.value = transport;
+  picker.addEventListener("change", () => {
+    const next = new URLSearchParams(window.location.search);
+    next.set("transport", picker.value);
+    window.location.search = next.toString(); // the cookie keeps the page signed in
+  });
+  let projectId = null;
+  try {
+    projectId = await sessionProject();
+  } catch (error) {
+    showError(`Could not start a session: ${error.message}`);
+  }
+  if (!projectId) {
+    showSetup();
     return;
   }
   client = createClient({
     baseUrl: "",
     projectId,
-    apiKey, // demo only, see above
+    transport,
     onTask: renderTask,
     onState: renderState,
     onReset: (reset) => console.debug("aivedio reset", reset.reason, reset.cursor),
   });
   window.aivedio = client; // for the console (and the browser tests)
+  $("signout").hidden = false;
+  $("signout").addEventListener("click", async () => {
+    client.stop();
+    await endSession({ baseUrl: "" }).catch(() => {});
+    showSetup();
+  });
   // Subscribe before submit (seed 004): the stream is open before the first task is created.
   await client.start();
   $("create").addEventListener("submit", async (event) => {
