@@ -10,8 +10,10 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 
 import pytest
+from pydantic import ValidationError
 from redis.asyncio import Redis
 
+from aivedio.config import Settings
 from aivedio.db.pool import Database
 from aivedio.domain.observation import ProviderStatus
 from aivedio.gateway.routing import (
@@ -239,3 +241,33 @@ async def test_two_nodes_receive_only_their_projects_on_their_own_channels(
                 await reader.stop()
     for watcher in watchers:
         await watcher.stop()
+
+
+async def test_events_routed_before_the_dispatcher_learned_the_route_arrive_by_the_early_check(
+    make_env: EnvFactory, redis_url: str, prefix: str
+) -> None:
+    # No dispatcher at all (as if it had not heard of this node's route yet), and a periodic
+    # tail check far away: only the early check after the registration can deliver.
+    env = await make_env(
+        publish=False,
+        tailcheck_s=120.0,
+        route_check_delay_s=2.0,
+        **gateway_overrides(prefix, redis_url, "node", "racer"),
+    )
+    readers = await open_readers(env, ("sse", "ws"))
+    await asyncio.sleep(0.3)  # past the position read: these events are not part of the replay
+    for _ in range(3):
+        await env.new_task()
+    _, head = await env.head()
+    await all_delivered(readers, head, 15)
+    for reader in readers:
+        await reader.stop()
+
+
+def test_settings_select_the_fanout() -> None:
+    settings = Settings(fanout="node", gateway_node_id="gw-1", secret_key="k" * 32)
+    config = settings.gateway("redis://127.0.0.1:1/0")
+    assert (config.fanout, config.node_id) == ("node", "gw-1")
+    assert Settings(secret_key="k" * 32).gateway("redis://x").fanout == "broadcast"
+    with pytest.raises(ValidationError):
+        Settings(fanout="everywhere")

@@ -1,4 +1,5 @@
-"""The notification gateway: SSE (and next, WebSocket) connections fed from Redis Pub/Sub.
+"""The notification gateway: SSE and WebSocket connections fed from Redis Pub/Sub (one
+broadcast channel, or a channel per node with project -> node routes: ``routing.py``).
 
 Exact resume from PostgreSQL, gap repair, tail checks, heartbeats on a shared wheel, bounded
 per-connection queues and slow-client eviction. See docs/explanation/realtime-gateway.md.

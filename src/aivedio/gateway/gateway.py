@@ -7,7 +7,7 @@ join the project stream (subscribe FIRST) -> read the position -> replay or ``re
 WebSocket commands (subscribe, unsubscribe, resume) are handled here too.
 Close: one log line with reason and duration (seed 004).
 Background: the Redis subscription, the heartbeat wheel, the tail check, credential re-checks,
-batched counter releases.
+batched counter releases, polling-interest marks and (node fan-out) this node's routes.
 """
 
 from __future__ import annotations

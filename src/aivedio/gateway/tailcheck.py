@@ -15,9 +15,9 @@ delay share one timer and one query.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import uuid
+from asyncio import FIRST_COMPLETED
 from collections.abc import Iterable
 
 from aivedio.gateway.config import GatewayConfig
@@ -64,8 +64,16 @@ class TailCheck:
     async def run(self, stopping: asyncio.Event) -> None:
         try:
             while not stopping.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._now.wait(), self.config.tailcheck_s)
+                waits = [asyncio.ensure_future(e.wait()) for e in (self._now, stopping)]
+                try:
+                    await asyncio.wait(
+                        waits, timeout=self.config.tailcheck_s, return_when=FIRST_COMPLETED
+                    )
+                finally:
+                    for w in waits:
+                        w.cancel()
+                if stopping.is_set():
+                    break
                 urgent = self._now.is_set()
                 self._now.clear()
                 await self._run_check(0.0 if urgent else self.config.tailcheck_grace_s)
