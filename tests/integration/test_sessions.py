@@ -154,6 +154,13 @@ async def sse_frames(
             return 200, got
 
 
+async def sse_status(env: SessionEnv, headers: dict[str, str]) -> int:
+    """The status the SSE request is answered with (the stream is closed at once)."""
+    url = f"/v1/projects/{env.project.project_id}/events"
+    async with env.http.stream("GET", url, headers=headers) as response:
+        return response.status_code
+
+
 async def open_ws(env: SessionEnv, headers: dict[str, str], origin: str | None) -> ClientConnection:
     url = f"{env.base_url.replace('http://', 'ws://')}/v1/projects/{env.project.project_id}/ws"
     return await connect(
@@ -435,8 +442,7 @@ async def test_deleting_the_session_closes_its_sse_and_websocket_within_5_s(
     assert elapsed < WITHIN_S + 5  # recheck_s is 0.5 here; generous for a shared machine
     # the cookie opens nothing any more
     assert (await env.http.get(env.tasks_url(), headers=cookie(secret))).status_code == 401
-    status, _ = await sse_frames(env, cookie(secret), lambda fs: True, 10)
-    assert status == 401
+    assert await sse_status(env, cookie(secret)) == 401
     # deleting again is harmless
     again = await env.http.delete("/v1/sessions/current", headers=cookie(secret) | CSRF)
     assert again.status_code == 204
@@ -479,8 +485,7 @@ async def test_an_expired_session_ends_its_stream_and_opens_nothing(
     assert time.monotonic() - started < 3 + 2  # the heartbeat wheel ticks every 1 s here
     await asyncio.sleep(max(0.0, 3.2 - (time.monotonic() - started)))
     assert (await env.http.get(env.tasks_url(), headers=cookie(secret))).status_code == 401
-    status, _ = await sse_frames(env, cookie(secret), lambda fs: True, 10)
-    assert status == 401
+    assert await sse_status(env, cookie(secret)) == 401
 
 
 def test_a_connection_lives_80_to_100_percent_of_its_credential_s_time_left() -> None:
@@ -494,3 +499,28 @@ def test_a_connection_lives_80_to_100_percent_of_its_credential_s_time_left() ->
     assert connection_lifetime(with_session, 1800, now + 200) == 0
     assert with_session.credential_id == with_session.session_id
     assert Identity(*ids).credential_id == ids[2]
+
+
+async def test_which_credential_decides_when_a_request_carries_several(
+    make_session_env: SessionEnvFactory,
+) -> None:
+    """A stream token first, then the API key, then the cookie (a stale cookie beside a valid
+    key is harmless; a token for another project is refused even beside a valid cookie)."""
+    env = await make_session_env()
+    forged = cookie("as_forged")
+    keyed = {"Authorization": f"Bearer {env.project.api_key}"}
+    assert (await env.http.get(env.tasks_url(), headers=forged | keyed)).status_code == 200
+    assert await sse_status(env, forged | keyed) == 200
+    secret = await env.new_session(env.project.project_id)
+    other = await make_project(env.db, tenant=f"other-{uuid.uuid4().hex[:6]}")
+    token = await env.http.post(
+        "/v1/stream-tokens",
+        headers={"Authorization": f"Bearer {other.api_key}"},
+        json={"project_id": str(other.project_id)},
+    )
+    url = f"/v1/projects/{env.project.project_id}/events"
+    async with env.http.stream(
+        "GET", url, params={"token": token.json()["token"]}, headers=cookie(secret)
+    ) as stream:
+        assert stream.status_code == 403
+        await stream.aread()
