@@ -271,3 +271,20 @@ def test_settings_select_the_fanout() -> None:
     assert Settings(secret_key="k" * 32).gateway("redis://x").fanout == "broadcast"
     with pytest.raises(ValidationError):
         Settings(fanout="everywhere")
+
+
+def test_the_router_map_follows_announcements_and_expiries() -> None:
+    router = NodeRouter(Redis.from_url("redis://127.0.0.1:1/0"), RouterConfig(prefix="p"))
+    soon, later = int((time.time() + 0.2) * 1000), int((time.time() + 60) * 1000)
+    router.apply(f"+proj-1:b {later}\n+proj-1:a {soon}\n+proj-2:a {later}")
+    assert router.channels("proj-1") == ("p:node:a", "p:node:b")
+    assert router.channels("proj-2") == ("p:node:a",)
+    router.apply(f"+proj-1:a {soon - 100_000}")  # an older expiry never shortens an entry
+    assert router.channels("proj-1") == ("p:node:a", "p:node:b")
+    router.apply("-proj-2:a")
+    assert router.channels("proj-2") == ()
+    assert router.channels("never-seen") == ()
+    time.sleep(0.25)
+    assert router.channels("proj-1") == ("p:node:b",)  # node a's entry lapsed
+    router.prune()
+    assert set(router._nodes) == {"proj-1"} and set(router._cache) <= {"proj-1"}

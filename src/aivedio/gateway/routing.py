@@ -398,14 +398,19 @@ class NodeRouter:
             if not nodes:
                 del self._nodes[project_id]
                 nodes = None
-        if nodes is None:
-            entry: tuple[tuple[str, ...], float] = ((), now + 1.0)
-        else:
-            prefix = self.config.prefix
-            channels = tuple(sorted(node_channel(prefix, n) for n in nodes))
-            entry = (channels, min(nodes.values()))
+        if nodes is None:  # not cached: unrouted projects must not accumulate
+            self._cache.pop(project_id, None)
+            return ((), 0.0)
+        prefix = self.config.prefix
+        entry = (tuple(sorted(node_channel(prefix, n) for n in nodes)), min(nodes.values()))
         self._cache[project_id] = entry
         return entry
+
+    def prune(self) -> None:
+        """Forget lapsed entries of projects that had no event since (after each full read)."""
+        now = time.time()
+        for project_id in list(self._nodes):
+            self._build(project_id, now)
 
     # -- keeping the map fresh ----------------------------------------------------------------
 
@@ -451,6 +456,7 @@ class NodeRouter:
             project, _, node = text.partition(":")
             if node:
                 self._set(project, node, float(score) / 1000)
+        self.prune()
         ROUTED_PROJECTS.set(len(self._nodes))
         return len(rows)
 
@@ -465,6 +471,7 @@ class NodeRouter:
 
     async def _refresh_loop(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():
+            self._refresh_now.clear()  # a request made during the read below reads again
             try:
                 await self.refresh()
                 ROUTE_REFRESHES.labels("ok").inc()
@@ -474,7 +481,6 @@ class NodeRouter:
                 ROUTE_REFRESHES.labels("failed").inc()
                 log(logger, logging.WARNING, "route registry unreadable", error=repr(exc))
                 wait = min(1.0, self.config.refresh_s)
-            self._refresh_now.clear()
             await _wait(self._refresh_now, stopping, wait)
 
     async def _listen(self, stopping: asyncio.Event) -> None:
