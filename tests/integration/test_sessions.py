@@ -28,6 +28,7 @@ from aivedio.config import ApiConfig
 from aivedio.db.pool import Database
 from aivedio.gateway import Gateway, GatewayConfig, serve_http, stream_token_routes
 from aivedio.gateway.auth import connection_lifetime
+from aivedio.gateway.protocol import origin_allowed, parse_head
 from aivedio.gateway.session import Identity
 from aivedio.state.service import StateService
 from tests.integration.helpers import Project, make_project, make_task, store
@@ -524,3 +525,18 @@ async def test_which_credential_decides_when_a_request_carries_several(
     ) as stream:
         assert stream.status_code == 403
         await stream.aread()
+
+
+def test_the_stream_request_carries_the_session_cookie_and_needs_an_origin() -> None:
+    project = uuid.uuid4()
+    head = (
+        f"GET /v1/projects/{project}/events HTTP/1.1\r\nHost: gw.example:8000\r\n"
+        f"Cookie: theme=dark; {SESSION_COOKIE}=as_secret\r\n\r\n"
+    ).encode()
+    req = parse_head(head)
+    assert req.session == "as_secret" and req.token is None and req.bearer is None
+    same = replace(req, origin="http://gw.example:8000")
+    assert origin_allowed(same, ())
+    assert not origin_allowed(req, ())  # a cookie without Origin: never (not a browser's)
+    assert not origin_allowed(replace(req, origin="http://evil.example"), ())
+    assert origin_allowed(replace(req, origin="http://app.example"), ("http://app.example",))

@@ -65,6 +65,7 @@ class Caller:
     session_id: uuid.UUID | None = None
     project_id: uuid.UUID | None = None  # a session bound to one project; None: any of the tenant
     expires_at: datetime | None = None  # the session's expiry (an API key has none)
+    created_at: datetime | None = None  # the session's creation
 
     @property
     def principal(self) -> Principal:
@@ -113,6 +114,7 @@ async def session_caller(db: Database, secret: str) -> Caller | None:
         session_id=row["id"],
         project_id=row["project_id"],
         expires_at=row["expires_at"],
+        created_at=row["created_at"],
     )
 
 
@@ -194,12 +196,10 @@ def session_routes(db: Database, public_url: str, ttl_s: int = DEFAULT_TTL_S) ->
             raise UNAUTHORIZED
         project_id = await _body_project(request)
         async with db.connection() as conn:
-            if project_id is not None:
-                tenant = await conn.fetchval(
-                    "SELECT tenant_id FROM projects WHERE id = $1", project_id
-                )
-                if tenant != caller.tenant_id:
-                    raise ApiError(404, "not_found", "project not found")
+            if project_id is not None and (
+                await conn.fetchval(q("project_of_tenant"), project_id, caller.tenant_id) is None
+            ):
+                raise ApiError(404, "not_found", "project not found")
             secret = new_secret()
             session_id = uuid.uuid4()
             row = await conn.fetchrow(
@@ -222,11 +222,10 @@ def session_routes(db: Database, public_url: str, ttl_s: int = DEFAULT_TTL_S) ->
         caller = await session_caller(db, secret) if secret else None
         if caller is None or caller.session_id is None or caller.expires_at is None:
             raise UNAUTHORIZED
-        async with db.connection() as conn:
-            created = await conn.fetchval(
-                "SELECT created_at FROM browser_sessions WHERE id = $1", caller.session_id
-            )
-        described = _describe(caller.session_id, caller.project_id, created, caller.expires_at)
+        assert caller.created_at is not None
+        described = _describe(
+            caller.session_id, caller.project_id, caller.created_at, caller.expires_at
+        )
         return JSONResponse({"session": described}, headers=no_store)
 
     async def delete(request: Request) -> Response:

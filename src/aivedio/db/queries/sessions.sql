@@ -9,7 +9,7 @@ RETURNING created_at, expires_at
 
 -- name: live_browser_session
 -- A session that is unexpired, unrevoked, and whose API key is unrevoked.
-SELECT s.id, s.tenant_id, s.user_id, s.project_id, s.key_id, s.expires_at
+SELECT s.id, s.tenant_id, s.user_id, s.project_id, s.key_id, s.created_at, s.expires_at
 FROM browser_sessions s JOIN api_keys k ON k.id = s.key_id
 WHERE s.secret_hash = $1 AND s.revoked_at IS NULL AND s.expires_at > now()
   AND k.revoked_at IS NULL
