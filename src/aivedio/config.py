@@ -116,6 +116,7 @@ class Settings(BaseSettings):
     fanout: Literal["broadcast", "node"] = "broadcast"
     gateway_node_id: str = ""  # node fan-out: this process's node id ("" -> generated)
     stream_token_ttl_s: int = 60
+    session_ttl_s: int = 8 * 3600
     ws_allowed_origins: str = ""  # comma-separated; empty: only the request's own origin
     poll_limits: str = ""
     poll_replicas: int = 1

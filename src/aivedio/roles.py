@@ -55,7 +55,7 @@ async def _api(rt: Runtime) -> RoleParts:
 
     secret = rt.settings.derived_secret("stream-tokens")
     routes = stream_token_routes(rt.db, secret, rt.settings.stream_token_ttl_s)
-    routes += session_routes(rt.db, rt.settings.public_url)
+    routes += session_routes(rt.db, rt.settings.public_url, rt.settings.session_ttl_s)
     from aivedio.web import web_routes
 
     return RoleParts(routes=[*routes, *playback_routes_for(rt), *web_routes()], http=True)

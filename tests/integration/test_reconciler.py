@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator, Mapping
+from datetime import timedelta
 
 import pytest
 
@@ -299,3 +300,42 @@ async def test_poll_items_are_resolved_once_the_facts_overtake_them(
     assert by_attempt[str(attempts["finished"])]["resolution"] == "attempt_finished"
     assert by_attempt[str(attempts["finished"])]["resolved_by"] == "reconciler"
     assert by_attempt[str(attempts["still_failing"])]["state"] == "open"
+
+
+async def test_old_browser_sessions_are_purged_live_ones_kept(
+    db: Database, project: Project, sandbox: Sandbox
+) -> None:
+    ages = {  # name -> (expires_at offset, revoked_at offset), relative to now
+        "live": (timedelta(hours=8), None),
+        "just_expired": (timedelta(hours=-1), None),
+        "long_expired": (timedelta(days=-2), None),
+        "long_revoked": (timedelta(hours=8), timedelta(days=-2)),
+        "just_revoked": (timedelta(hours=8), timedelta(minutes=-1)),
+    }
+    async with db.connection() as conn:
+        key_id = await conn.fetchval(
+            "SELECT id FROM api_keys WHERE tenant_id = $1 LIMIT 1", project.tenant_id
+        )
+        ids = {}
+        for name, (expires, revoked) in ages.items():
+            ids[name] = uuid.uuid4()
+            await conn.execute(
+                "INSERT INTO browser_sessions (id, secret_hash, tenant_id, user_id, key_id,"
+                " created_at, expires_at, revoked_at) VALUES ($1, $2, $3, $4, $5,"
+                " now() - interval '3 days', now() + $6, now() + $7)",
+                ids[name],
+                uuid.uuid4().bytes,
+                project.tenant_id,
+                project.principal.user_id,
+                key_id,
+                expires,
+                revoked,
+            )
+    adapter = sandbox.adapter(NoLookupSandbox)
+    try:
+        assert await reconciler(db, adapter).purge_sessions() == 2
+    finally:
+        await adapter.aclose()
+    async with db.connection() as conn:
+        left = {r["id"] for r in await conn.fetch("SELECT id FROM browser_sessions")}
+    assert left == {ids["live"], ids["just_expired"], ids["just_revoked"]}

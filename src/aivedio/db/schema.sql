@@ -428,3 +428,5 @@ CREATE TABLE browser_sessions (
 );
 
 CREATE INDEX idx_browser_sessions_key ON browser_sessions (key_id);
+-- The reconciler deletes sessions some time after they expired (sessions_retention_s).
+CREATE INDEX idx_browser_sessions_expiry ON browser_sessions (expires_at);

@@ -15,7 +15,9 @@ class GatewayConfig:
     heartbeat_s: float = 20.0  # `: ping` comment interval, below proxy idle timeouts
     retry_ms: int = 2000  # the `retry:` hint sent on connect
     session_cap_s: float = 1800.0  # a connection lives 80-100 % of this, then reconnects
-    recheck_s: float = 5.0  # credentials re-checked (revocation) at this interval
+    # Credentials are re-checked (revocation) at this interval; below 5 s so that a revoked
+    # credential's streams close within 5 s including the query itself.
+    recheck_s: float = 4.0
     tailcheck_s: float = 5.0  # stream heads compared at this interval (and after a reconnect)
     tailcheck_grace_s: float = 0.5  # a head seen ahead is repaired if still ahead after this
     replay_cap: int = 1000  # a resume needing more events than this gets `reset`

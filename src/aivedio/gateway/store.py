@@ -22,15 +22,7 @@ ORDER BY seq
 LIMIT $5
 """
 
-KEY_PRINCIPAL = """
-SELECT id, tenant_id, user_id FROM api_keys WHERE key_hash = $1 AND revoked_at IS NULL
-"""
-
 PROJECT_TENANT = "SELECT tenant_id FROM projects WHERE id = $1"
-
-REVOKED_KEYS = """
-SELECT id FROM api_keys WHERE id = ANY($1::uuid[]) AND revoked_at IS NOT NULL
-"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,21 +55,10 @@ class EventStore:
             rows = await conn.fetch(EVENTS, project_id, epoch, after, upto, limit)
         return [make_event(epoch, r["seq"], _payload(r["public_payload"])) for r in rows]
 
-    async def key_principal(self, key_hash: bytes) -> tuple[uuid.UUID, uuid.UUID, uuid.UUID] | None:
-        """``(key_id, tenant_id, user_id)`` of a valid (unrevoked) API key."""
-        async with self.db.connection() as conn:
-            row = await conn.fetchrow(KEY_PRINCIPAL, key_hash)
-        return (row["id"], row["tenant_id"], row["user_id"]) if row is not None else None
-
     async def project_tenant(self, project_id: uuid.UUID) -> uuid.UUID | None:
         async with self.db.connection() as conn:
             tenant: uuid.UUID | None = await conn.fetchval(PROJECT_TENANT, project_id)
         return tenant
-
-    async def revoked(self, key_ids: list[uuid.UUID]) -> set[uuid.UUID]:
-        async with self.db.connection() as conn:
-            rows = await conn.fetch(REVOKED_KEYS, key_ids)
-        return {r["id"] for r in rows}
 
 
 def _payload(value: Any) -> dict[str, Any]:

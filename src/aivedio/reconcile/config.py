@@ -27,6 +27,8 @@ class ReconcilerConfig:
     """... or dead-lettered once it used this many tries (the processor's refetch_max_tries)."""
     inbox_retention_s: float = 7 * 24 * 3600.0
     """Processed inbox payloads older than this are nulled (the rows stay for dedup)."""
+    sessions_retention_s: float = 24 * 3600.0
+    """Browser sessions expired (or revoked) longer ago than this are deleted."""
 
     def __post_init__(self) -> None:
         for key, seconds in self.max_durations.items():

@@ -1,6 +1,6 @@
 """The reconciler role: finds what the event-driven paths missed, and never regenerates.
 
-Each round runs five sweeps; every one claims its rows so that any number of replicas share the
+Each round runs these sweeps; every one claims its rows so that any number of replicas share the
 work without doing any of it twice at once:
 
 overdue in-flight attempts
@@ -22,6 +22,8 @@ stuck inbox rows
     once they used up the processor's tries.
 inbox retention
     processed payloads older than the retention are nulled (``expire_processed_payloads``).
+session retention
+    browser sessions expired or revoked longer ago than ``sessions_retention_s`` are deleted.
 
 Contradictory terminals and stale-attempt successes are opened by the state service itself
 (``reconciliation_items``); they are listed and resolved with ``aivedio reconcile``.
@@ -75,6 +77,7 @@ class RoundResult:
     inbox_dead: int = 0
     payloads_expired: int = 0
     poll_items_resolved: int = 0
+    sessions_purged: int = 0
 
     @property
     def total(self) -> int:
@@ -85,6 +88,7 @@ class RoundResult:
             + self.inbox_dead
             + self.payloads_expired
             + self.poll_items_resolved
+            + self.sessions_purged
         )
 
 
@@ -121,7 +125,20 @@ class Reconciler:
         )
         if expired:
             RECONCILED.labels("inbox_retention", "expired").inc(expired)
-        return RoundResult(overdue, lookups, requeued, dead, expired, poll_items)
+        purged = await self.purge_sessions()
+        return RoundResult(overdue, lookups, requeued, dead, expired, poll_items, purged)
+
+    async def purge_sessions(self) -> int:
+        async with self.db.connection() as conn:
+            status = await conn.execute(
+                q("purge_browser_sessions"),
+                timedelta(seconds=self.config.sessions_retention_s),
+                self.config.batch_size * 10,
+            )
+        purged = int(status.split()[-1])
+        if purged:
+            RECONCILED.labels("session_retention", "deleted").inc(purged)
+        return purged
 
     # -- overdue in-flight attempts ---------------------------------------------------------
 

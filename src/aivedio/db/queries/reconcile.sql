@@ -168,3 +168,16 @@ SET state = 'resolved', resolution = c.resolution, resolved_by = 'reconciler', r
 FROM candidates c
 WHERE i.id = c.id
 RETURNING i.id, i.kind, i.attempt_id, i.resolution
+
+-- name: purge_browser_sessions
+-- Sessions that expired, or were revoked, longer than $1 ago; no stream can still use them.
+-- $1 retention  $2 limit
+DELETE FROM browser_sessions
+WHERE id IN (
+    SELECT id FROM browser_sessions
+    WHERE expires_at < now() - $1::interval
+    UNION ALL
+    SELECT id FROM browser_sessions
+    WHERE revoked_at < now() - $1::interval
+    LIMIT $2
+)
