@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from redis import Redis as SyncRedis
 
 from aivedio.bus.jetstream import JetStreamBus
 from aivedio.client import Client, Frame
@@ -103,8 +104,9 @@ async def test_no_redis_messages_at_all_still_delivers_by_tail_check(
 # A private Redis server (the shared one is never disturbed), the real outbox relay, JetStream
 # (a private stream) and the real dispatcher (with the node router in node mode), and a gateway
 # with SSE and WebSocket clients. Redis is SIGSTOPped (every connection stalls, nothing is
-# refused) or killed and started again empty on the same port while task events are committed,
-# the last of them included.
+# refused), or killed and started again empty on the same port, or every subscriber connection
+# (the gateway's and the router's) is cut twice, while task events are committed, the last of
+# them included.
 
 
 def redis_binary() -> str | None:
@@ -154,6 +156,14 @@ class PrivateRedis:
         assert self.proc is not None
         self.proc.send_signal(signal.SIGCONT)
         self.stopped = False
+
+    def kill_subscribers(self) -> None:
+        """``CLIENT KILL TYPE pubsub``: every subscriber connection is cut."""
+        client = SyncRedis.from_url(self.url)
+        try:
+            client.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+        finally:
+            client.close()
 
     def kill(self) -> None:
         if self.proc is not None:
@@ -295,7 +305,7 @@ def final_statuses(reader: Reader) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("fanout", ["broadcast", "node"])
-@pytest.mark.parametrize("fault", ["paused", "restarted"])
+@pytest.mark.parametrize("fault", ["paused", "restarted", "subscribers_killed"])
 async def test_redis_paused_or_restarted_loses_nothing(
     private_redis: PrivateRedis,
     make_env: EnvFactory,
@@ -317,17 +327,22 @@ async def test_redis_paused_or_restarted_loses_nothing(
 
         if fault == "paused":
             private_redis.pause()
-        else:
+        elif fault == "restarted":
             private_redis.kill()
+        else:  # the gateway's subscription and the router's announcements, cut twice
+            private_redis.kill_subscribers()
         for attempt in attempts:
             await env.provider(attempt, ProviderStatus.RUNNING, progress=20)
+        if fault == "subscribers_killed":
+            private_redis.kill_subscribers()
         attempts += [(await env.new_task())[1] for _ in range(2)]
         for attempt in attempts:  # every task's final state, the project's LAST event too
             await env.provider(attempt, ProviderStatus.FAILED, error_code="content_rejected")
-        await asyncio.sleep(3.0)  # the fault lasts a while
+        if fault != "subscribers_killed":
+            await asyncio.sleep(3.0)  # the fault lasts a while
         if fault == "paused":
             private_redis.resume()
-        else:
+        elif fault == "restarted":
             private_redis.start()  # the same port, empty: routes and interest are gone
         cleared = time.monotonic()
 
