@@ -9,9 +9,10 @@ subscriber in this process counting every event on a private channel:
     subscriber has every (task, version); ``per_s`` = events / seconds. Every event is accounted
     for: missing, duplicate and out-of-order counts are printed and must be 0.
 (b) **latency**: ``rate`` observations/s for ``seconds`` through ``StateService.apply`` on
-    ``latency_tasks`` tasks in ``projects`` projects; latency = the subscriber's receive time
-    minus the event row's ``created_at`` (``clock_timestamp()`` when it was written, just before
-    the commit: an upper bound of commit -> publish); ``p50_ms``, ``p99_ms``.
+    ``latency_tasks`` tasks in ``projects`` projects, from ``writers`` processes; latency = the
+    subscriber's receive time minus the event row's ``created_at`` (``clock_timestamp()`` when it
+    was written, just before the commit: an upper bound of commit -> publish); ``p50_ms``,
+    ``p99_ms``.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 import asyncpg
-import redis.asyncio as aioredis
 
 from aivedio.admin import create_project_in
 from aivedio.bench.common import (
@@ -42,7 +43,7 @@ from aivedio.bench.common import (
     scratch_database,
 )
 from aivedio.bus import BusConfig
-from aivedio.config import DatabaseConfig, Settings
+from aivedio.config import DatabaseConfig, Settings, StateConfig
 from aivedio.db.pool import Database
 from aivedio.domain.observation import ProviderObservation, ProviderStatus, Source
 from aivedio.domain.transitions import Outcome
@@ -71,11 +72,20 @@ class Options:
     seconds: float = 10.0
     latency_tasks: int = 1000
     projects: int = 32
-    workers: int = 64
+    workers: int = 32  # concurrent applies in the latency phase, split over the writers
+    writers: int = 4  # writer processes in the latency phase
     timeout: float = 120.0
 
     def check(self) -> None:
-        for name in ("tasks", "relays", "batch", "in_flight", "latency_tasks", "projects"):
+        for name in (
+            "tasks",
+            "relays",
+            "batch",
+            "in_flight",
+            "latency_tasks",
+            "projects",
+            "writers",
+        ):
             if getattr(self, name) < 1:
                 raise BenchUsageError(f"{name} must be at least 1")
         if self.events < 0 or self.rate < 0 or self.seconds < 0 or self.workers < 1:
@@ -117,17 +127,13 @@ async def _run(settings: Settings, opts: Options) -> int:
     )
     figures: dict[str, Any] = {"bench": "propagation"}
     async with scratch_database(database_url(settings)) as url:
-        redis = aioredis.Redis.from_url(urls.redis_url)
         counted = Counted()
-        reader = await _subscribe(redis, broadcast_channel(prefix), counted)
+        reader = await _subscribe(urls.redis_url, broadcast_channel(prefix), counted)
         try:
             figures |= await _drain(url, bus_cfg, urls.redis_url, prefix, opts, counted)
             figures |= await _latency(settings, url, bus_cfg, urls.redis_url, prefix, opts, counted)
         finally:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reader
-            await redis.aclose()
+            reader.close()
             await _delete_streams(bus_cfg)
     figures["ok"] = all(
         figures.get(k, 0) == 0 for k in ("missing", "duplicates_at_subscriber", "latency_missing")
@@ -139,30 +145,79 @@ async def _run(settings: Settings, opts: Options) -> int:
 # -- the subscriber --------------------------------------------------------------------------
 
 
-async def _subscribe(redis: aioredis.Redis, channel: str, counted: Counted) -> asyncio.Task[None]:
-    pubsub = redis.pubsub()
-    await pubsub.subscribe(channel)
+class _Subscriber(asyncio.Protocol):
+    """A bare RESP2 Pub/Sub reader: the measuring instrument must cost less than the pipeline
+    it measures. redis-py's ``PubSub.get_message`` parses each frame in Python at ~250 us of CPU
+    per event (py-spy, drain phase): more than the relays and the dispatcher together, on the
+    same 2 cores. A gateway node subscribes in its own process; this one shares the machine."""
 
-    async def read() -> None:
-        try:
-            while True:
-                msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
-                if msg is None or msg["type"] != "message":
-                    continue
-                now = time.time()
-                body = json.loads(msg["data"])
-                key = (body["task_id"], body["task_version"])
-                if key in counted.first:
-                    counted.duplicates += 1
-                    continue
-                counted.first[key] = now
-                if body["task_version"] <= counted.last_version.get(key[0], 0):
-                    counted.out_of_order += 1
-                counted.last_version[key[0]] = body["task_version"]
-        finally:
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
+    PREFIX = b"*3\r\n$7\r\nmessage\r\n$"
 
-    return asyncio.create_task(read())
+    def __init__(self, counted: Counted) -> None:
+        self.counted = counted
+        self.buffer = bytearray()
+        self.subscribed = asyncio.Event()
+        self.closed = asyncio.Event()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed.set()
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buffer
+        buf += data
+        if not self.subscribed.is_set():
+            # *3 $9 subscribe $n <channel> :1 -- the confirmation ends with the count.
+            end = buf.find(b":1\r\n")
+            if end < 0:
+                return
+            del buf[: end + 4]
+            self.subscribed.set()
+        now = time.time()
+        pos = 0
+        prefix, size = self.PREFIX, len(self.PREFIX)
+        while buf.startswith(prefix, pos):
+            head = pos + size
+            eol = buf.find(b"\r\n", head)
+            if eol < 0:
+                break
+            data_head = eol + 2 + int(buf[head:eol]) + 3  # past the channel, its CRLF and "$"
+            eol = buf.find(b"\r\n", data_head)
+            if eol < 0:
+                break
+            start = eol + 2
+            stop = start + int(buf[data_head:eol])
+            if len(buf) < stop + 2:
+                break
+            self._count(json.loads(buf[start:stop]), now)
+            pos = stop + 2
+        if pos:
+            del buf[:pos]
+
+    def _count(self, body: dict[str, Any], now: float) -> None:
+        counted = self.counted
+        key = (body["task_id"], body["task_version"])
+        if key in counted.first:
+            counted.duplicates += 1
+            return
+        counted.first[key] = now
+        if key[1] <= counted.last_version.get(key[0], 0):
+            counted.out_of_order += 1
+        counted.last_version[key[0]] = key[1]
+
+
+async def _subscribe(redis_url: str, channel: str, counted: Counted) -> asyncio.Transport:
+    where = urlsplit(redis_url)
+    loop = asyncio.get_running_loop()
+    transport, protocol = await loop.create_connection(
+        lambda: _Subscriber(counted), where.hostname or "127.0.0.1", where.port or 6379
+    )
+    name = channel.encode()
+    if where.password:
+        secret = where.password.encode()
+        transport.write(b"*2\r\n$4\r\nAUTH\r\n$%d\r\n%s\r\n" % (len(secret), secret))
+    transport.write(b"*2\r\n$9\r\nSUBSCRIBE\r\n$%d\r\n%s\r\n" % (len(name), name))
+    await asyncio.wait_for(protocol.subscribed.wait(), 10)
+    return transport
 
 
 # -- the pipeline in child processes ---------------------------------------------------------
@@ -179,11 +234,14 @@ class ChildSpec:
     batch: int
 
 
-def _child(spec: ChildSpec, ready: Any, stop: Any) -> None:
-    asyncio.run(_child_main(spec, ready, stop))
+def _child(spec: ChildSpec, ready: Any, stop: Any, cpu: Any) -> None:
+    """One pipeline process, on uvloop like ``aivedio run``; reports its CPU seconds."""
+    import uvloop
+
+    uvloop.run(_child_main(spec, ready, stop, cpu))
 
 
-async def _child_main(spec: ChildSpec, ready: Any, stop: Any) -> None:
+async def _child_main(spec: ChildSpec, ready: Any, stop: Any, cpu: Any) -> None:
     from aivedio.bus.jetstream import JetStreamBus
 
     db = await Database.connect(
@@ -200,8 +258,10 @@ async def _child_main(spec: ChildSpec, ready: Any, stop: Any) -> None:
     ]
     jobs = [asyncio.create_task(loop(stopping)) for loop in loops]
     ready.set()
+    started = time.process_time()
     while not stop.is_set():  # noqa: ASYNC110 - a multiprocessing event, not an asyncio one
         await asyncio.sleep(0.05)
+    cpu.value = time.process_time() - started  # the work, not the start-up and the shutdown
     stopping.set()
     await asyncio.gather(*jobs, return_exceptions=True)
     await client.aclose()
@@ -210,15 +270,19 @@ async def _child_main(spec: ChildSpec, ready: Any, stop: Any) -> None:
 
 
 @contextlib.asynccontextmanager
-async def _pipeline(specs: list[ChildSpec]) -> Any:
+async def _pipeline(specs: list[ChildSpec], cpu: dict[str, float] | None = None) -> Any:
+    """Run the children for the block; ``cpu`` gets their CPU seconds by role once they end."""
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event()
     children = []
+    used = []
     for spec in specs:
         ready = ctx.Event()
-        proc = ctx.Process(target=_child, args=(spec, ready, stop), daemon=True)
+        seconds = ctx.Value("d", 0.0)
+        proc = ctx.Process(target=_child, args=(spec, ready, stop, seconds), daemon=True)
         proc.start()
         children.append((proc, ready))
+        used.append(("relay" if spec.relays else "dispatcher", seconds))
     try:
         for proc, ready in children:
             while not ready.is_set():
@@ -232,6 +296,9 @@ async def _pipeline(specs: list[ChildSpec]) -> Any:
             await asyncio.to_thread(proc.join, 20)
             if proc.is_alive():
                 proc.kill()
+        if cpu is not None:
+            for role, seconds in used:
+                cpu[role] = cpu.get(role, 0.0) + seconds.value
 
 
 def _specs(url: str, bus: BusConfig, redis_url: str, prefix: str, opts: Options) -> list[ChildSpec]:
@@ -276,7 +343,8 @@ async def _drain(
         await conn.execute("VACUUM ANALYZE outbox_events")
         print(f"  setup: {total} outbox rows in {time.perf_counter() - started:.1f} s", flush=True)
         before = len(counted.first)
-        async with _pipeline(_specs(url, bus, redis_url, prefix, opts)):
+        cpu: dict[str, float] = {}
+        async with _pipeline(_specs(url, bus, redis_url, prefix, opts), cpu):
             started = time.perf_counter()
             deadline = started + opts.timeout
             while len(counted.first) - before < total and time.perf_counter() < deadline:  # noqa: ASYNC110
@@ -296,6 +364,7 @@ async def _drain(
         f"out of order {counted.out_of_order})",
         flush=True,
     )
+    print(f"  drain CPU: {_cpu_line(cpu, got)}", flush=True)
     return {
         "per_s": rounded(per_s, 1),
         "events": total,
@@ -304,7 +373,16 @@ async def _drain(
         "out_of_order": counted.out_of_order,
         "drain_seconds": rounded(seconds),
         "relays": opts.relays,
+        "drain_cpu_us_per_event": {k: rounded(v / max(got, 1) * 1e6, 1) for k, v in cpu.items()},
     }
+
+
+def _cpu_line(cpu: dict[str, float], events: int) -> str:
+    """CPU per event by role: comparable across runs on a busy machine, unlike wall time."""
+    return ", ".join(
+        f"{role} {seconds:.2f} s ({seconds / max(events, 1) * 1e6:.0f} us/event)"
+        for role, seconds in sorted(cpu.items())
+    )
 
 
 # -- (b) latency -----------------------------------------------------------------------------
@@ -322,17 +400,18 @@ async def _latency(
     if opts.rate == 0 or opts.seconds == 0:
         return {}
     db = await Database.connect(
-        DatabaseConfig(url=url, min_size=opts.workers, max_size=opts.workers, acquire_timeout_s=30)
+        DatabaseConfig(url=url, min_size=4, max_size=min(16, opts.workers), acquire_timeout_s=30)
     )
     try:
         state = StateService(db, settings.state)
         attempts = await _make_tasks(db, state, opts)
         committed: dict[tuple[str, int], float] = {}
-        async with _pipeline(_specs(url, bus, redis_url, prefix, opts)[-2:]):
+        acked: dict[tuple[str, int], float] = {}  # when apply() returned in the writer
+        cpu: dict[str, float] = {}
+        async with _pipeline(_specs(url, bus, redis_url, prefix, opts)[-2:], cpu):
             await asyncio.sleep(1.0)  # the creations' events drain first
-            started = time.perf_counter()
-            given, lag = await _steady(state, attempts, opts, committed)
-            seconds = time.perf_counter() - started
+            given, lag, seconds = await _writers(url, settings, attempts, opts, acked, cpu)
+            committed = dict.fromkeys(acked, 0.0)
             deadline = time.perf_counter() + 10
             while not set(committed) <= set(counted.first) and time.perf_counter() < deadline:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
@@ -349,6 +428,15 @@ async def _latency(
             key = (r["task_id"], r["task_version"])
             if key in committed:
                 committed[key] = r["at"]
+        # Where the time goes: the relay round that published the event started at
+        # published_at (its transaction's now()).
+        async with db.connection() as conn:
+            picked = await conn.fetch(
+                "SELECT o.aggregate_id::text AS task_id, o.aggregate_version AS task_version,"
+                " extract(epoch FROM o.published_at - e.created_at)::float8 * 1000 AS ms"
+                " FROM outbox_events o JOIN task_events e ON e.task_id = o.aggregate_id"
+                " AND e.task_version = o.aggregate_version WHERE o.published_at IS NOT NULL"
+            )
     finally:
         await db.close()
     latencies = [(counted.first[k] - t) * 1000 for k, t in committed.items() if k in counted.first]
@@ -358,16 +446,31 @@ async def _latency(
         f"  latency: event written (just before commit) -> Redis subscriber "
         f"p50 {p50:.2f} ms  p99 {p99:.2f} ms  "
         f"max {max(latencies, default=0):.2f} ms  ({len(committed)} events at "
-        f"{len(committed) / seconds:,.0f}/s asked {opts.rate}/s, {given} observations, "
-        f"{lost} not received; scheduler lag p99 {percentile(lag, 99):.1f} ms)",
+        f"{len(committed) / seconds:,.0f}/s asked {opts.rate}/s by {opts.writers} writer "
+        f"processes, {given} observations, {lost} not received; writers' scheduler lag p99 "
+        f"{percentile(lag, 99):.1f} ms)",
         flush=True,
     )
+    relay_start = [r["ms"] for r in picked if (r["task_id"], r["task_version"]) in committed]
+    from_ack = [(counted.first[k] - t) * 1000 for k, t in acked.items() if k in counted.first]
+    print(
+        f"  where: event written -> start of the relay round that published it "
+        f"p50 {percentile(relay_start, 50):.2f} ms  p99 {percentile(relay_start, 99):.2f} ms; "
+        f"commit returned in the writer -> Redis subscriber p50 {percentile(from_ack, 50):.2f} ms"
+        f"  p99 {percentile(from_ack, 99):.2f} ms (a lower bound: the writer's loop lags)",
+        flush=True,
+    )
+    print(f"  latency CPU: {_cpu_line(cpu, len(committed))}", flush=True)
     return {
         "p50_ms": rounded(p50),
         "p99_ms": rounded(p99),
         "latency_events": len(committed),
         "latency_rate_per_s": rounded(len(committed) / seconds, 1),
         "latency_missing": lost,
+        "latency_writers": opts.writers,
+        "latency_cpu_us_per_event": {
+            k: rounded(v / max(len(committed), 1) * 1e6, 1) for k, v in cpu.items()
+        },
     }
 
 
@@ -396,19 +499,117 @@ async def _make_tasks(db: Database, state: StateService, opts: Options) -> list[
     return list(await asyncio.gather(*(create(i) for i in range(opts.latency_tasks))))
 
 
-async def _steady(
-    state: StateService,
+@dataclass(frozen=True, slots=True)
+class WriterSpec:
+    database_url: str
+    state: StateConfig
+    attempts: list[uuid.UUID]  # this writer's tasks (each task has one writer: its order holds)
+    total: int  # observations to apply
+    interval: float  # seconds between this writer's starts
+    offset: float  # its first start after the common start time
+    workers: int  # concurrent applies (its pool size)
+
+
+async def _writers(
+    url: str,
+    settings: Settings,
     attempts: list[uuid.UUID],
     opts: Options,
-    committed: dict[tuple[str, int], float],
-) -> tuple[int, list[float]]:
-    """Start ``rate`` applies per second (round robin over the tasks) for ``seconds``."""
-    step = max(1, state.policy.min_points)
+    acked: dict[tuple[str, int], float],
+    cpu: dict[str, float],
+) -> tuple[int, list[float], float]:
+    """``opts.rate`` applies/s for ``opts.seconds`` from ``opts.writers`` processes (one process
+    could not offer 1,000/s: StateService.apply costs ~0.7 ms of CPU), interleaved in time."""
+    n = min(opts.writers, len(attempts))
     total = int(opts.rate * opts.seconds)
+    specs = [
+        WriterSpec(
+            database_url=url,
+            state=settings.state,
+            attempts=attempts[w::n],
+            total=total // n + (w < total % n),
+            interval=n / opts.rate,
+            offset=w / opts.rate,
+            workers=max(2, opts.workers // n),
+        )
+        for w in range(n)
+    ]
+    ctx = multiprocessing.get_context("spawn")
+    start_at = ctx.Value("d", 0.0)
+    results = ctx.Queue()
+    procs = []
+    readies = []
+    for spec in specs:
+        ready = ctx.Event()
+        proc = ctx.Process(target=_writer, args=(spec, ready, start_at, results), daemon=True)
+        proc.start()
+        procs.append(proc)
+        readies.append(ready)
+    try:
+        for proc, ready in zip(procs, readies, strict=True):
+            while not ready.is_set():
+                if not proc.is_alive():
+                    raise RuntimeError("a writer process failed to start")
+                await asyncio.sleep(0.02)
+        start_at.value = time.time() + 0.2
+        lag: list[float] = []
+        ended = 0.0
+        for _ in procs:
+            keys, lags, seconds, end = await asyncio.to_thread(
+                results.get, True, opts.seconds + 120
+            )
+            ended = max(ended, end)
+            acked.update(keys)
+            lag += lags
+            cpu["writers"] = cpu.get("writers", 0.0) + seconds
+    finally:
+        for proc in procs:
+            await asyncio.to_thread(proc.join, 20)
+            if proc.is_alive():
+                proc.kill()
+    return total, lag, ended - start_at.value
+
+
+def _writer(spec: WriterSpec, ready: Any, start_at: Any, results: Any) -> None:
+    import uvloop
+
+    results.put(uvloop.run(_writer_main(spec, ready, start_at)))
+
+
+async def _writer_main(
+    spec: WriterSpec, ready: Any, start_at: Any
+) -> tuple[list[tuple[tuple[str, int], float]], list[float], float, float]:
+    db = await Database.connect(
+        DatabaseConfig(
+            url=spec.database_url,
+            min_size=spec.workers,
+            max_size=spec.workers,
+            acquire_timeout_s=30,
+        )
+    )
+    try:
+        state = StateService(db, spec.state)
+        ready.set()
+        while not start_at.value:  # noqa: ASYNC110 - a multiprocessing value
+            await asyncio.sleep(0.005)
+        cpu = time.process_time()
+        committed, lag = await _steady(state, spec, start_at.value)
+        return committed, lag, time.process_time() - cpu, time.time()
+    finally:
+        await db.close()
+
+
+async def _steady(
+    state: StateService, spec: WriterSpec, start_at: float
+) -> tuple[list[tuple[tuple[str, int], float]], list[float]]:
+    """Start ``spec.total`` applies, one every ``spec.interval`` s (round robin over its tasks)."""
+    step = max(1, state.policy.min_points)
+    attempts = spec.attempts
     progress = [0] * len(attempts)
     sequence = [0] * len(attempts)
-    sem = asyncio.Semaphore(opts.workers)
+    sem = asyncio.Semaphore(spec.workers)
     lag: list[float] = []
+    committed: list[tuple[tuple[str, int], float]] = []
     jobs: list[asyncio.Task[None]] = []
 
     async def apply(i: int) -> None:
@@ -427,20 +628,18 @@ async def _steady(
         async with sem:
             result = await state.apply(obs)
         if result.outcome is Outcome.APPLIED and result.task_id and result.task_version:
-            # Replaced by the database's own time of the event (see _latency).
-            committed[(str(result.task_id), result.task_version)] = time.time()
+            committed.append(((str(result.task_id), result.task_version), time.time()))
 
-    start = time.perf_counter()
-    for i in range(total):
-        due = start + i / opts.rate
-        delay = due - time.perf_counter()
+    first = start_at + spec.offset
+    for i in range(spec.total):
+        delay = first + i * spec.interval - time.time()
         if delay > 0:
             await asyncio.sleep(delay)
         else:
             lag.append(-delay * 1000)
         jobs.append(asyncio.create_task(apply(i)))
     await asyncio.gather(*jobs)
-    return total, lag
+    return committed, lag
 
 
 async def _delete_streams(cfg: BusConfig) -> None:

@@ -30,7 +30,13 @@ from nats.aio.msg import Msg
 from nats.js import api
 from nats.js.client import JetStreamContext
 
-from aivedio.bus.jetstream_pipeline import NATS_ERRORS, AckPipeline, Edge
+from aivedio.bus.jetstream_pipeline import (
+    NATS_ERRORS,
+    AckPipeline,
+    Edge,
+    PullFetcher,
+    num_delivered,
+)
 from aivedio.bus.port import (
     Bus,
     BusClosed,
@@ -311,8 +317,9 @@ class JetStreamBus:
                 config.opt_start_seq = info.config.opt_start_seq
                 config.opt_start_time = info.config.opt_start_time
                 await self._js.add_consumer(self._cfg.stream, config)
-            sub = await self._js.pull_subscribe_bind(durable=name, stream=self._cfg.stream)
-        consumer = JetStreamConsumer(self, topic, group, name, sub)
+            puller = PullFetcher(self._nc, self._cfg.stream, name)
+            await puller.start()
+        consumer = JetStreamConsumer(self, topic, group, name, puller)
         self._consumers.append(consumer)
         return consumer
 
@@ -473,10 +480,10 @@ class JetStreamConsumer:
         topic: str,
         group: str,
         name: str,
-        sub: JetStreamContext.PullSubscription,
+        puller: PullFetcher,
     ) -> None:
         self._bus = bus
-        self._sub = sub
+        self._puller = puller
         self._topic = topic
         self._group = group
         self.name = name
@@ -497,21 +504,19 @@ class JetStreamConsumer:
         if not nc.is_connected:
             raise BusUnavailable("NATS is not connected")
         with self._bus._edge("fetch"):
-            try:
-                msgs = await self._sub.fetch(batch, timeout=max(timeout, 0.01))
-            except TimeoutError:  # includes nats' FetchTimeoutError / TimeoutError
-                if not nc.is_connected:
-                    raise BusUnavailable("NATS disconnected during fetch") from None
-                return []
+            msgs = await self._puller.fetch(batch, max(timeout, 0.01))
+        if not msgs and not nc.is_connected:
+            raise BusUnavailable("NATS disconnected during fetch")
         out: list[Delivery] = []
+        max_deliver = self._bus._cfg.max_deliver
         for msg in msgs:
-            only = (msg.headers or {}).get(H_ONLY_GROUP)
+            only = None if msg.headers is None else msg.headers.get(H_ONLY_GROUP)
             if only is not None and only != self._group:
                 with self._bus._edge("ack another group's replay"):
                     await msg.ack()
                 continue
-            n = msg.metadata.num_delivered
-            if n > self._bus._cfg.max_deliver:
+            n = num_delivered(msg.reply)
+            if n > max_deliver:
                 await self._dead_letter_due(msg)
                 continue
             out.append(JetStreamDelivery(self, msg, self._topic, n))
@@ -541,7 +546,7 @@ class JetStreamConsumer:
         self._closed = True
         if not self._bus._closed:
             try:
-                await self._sub.unsubscribe()
+                await self._puller.stop()
             except nats.errors.Error as exc:  # best effort: the server drops it with the conn
                 log.debug("unsubscribe %s: %s", self.name, exc)
 

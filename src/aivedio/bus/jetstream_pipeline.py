@@ -14,10 +14,11 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from aivedio.bus.port import BusClosed, BusError, BusUnavailable, PublishAck
 
-__all__ = ["NATS_ERRORS", "UNAVAILABLE", "AckPipeline", "Edge"]
+__all__ = ["NATS_ERRORS", "UNAVAILABLE", "AckPipeline", "Edge", "PullFetcher", "num_delivered"]
 
 UNAVAILABLE: tuple[type[BaseException], ...] = (
     TimeoutError,  # nats.errors.TimeoutError and asyncio's are subclasses
@@ -159,3 +160,114 @@ class AckPipeline:
             )
         except (ValueError, KeyError, TypeError) as exc:
             future.set_exception(BusError(f"unreadable JetStream PubAck: {exc}"))
+
+
+def num_delivered(reply: str) -> int:
+    """The delivery count from a JetStream ack subject (v1 ``$JS.ACK.<stream>.<consumer>.<n>...``
+    or v2 ``$JS.ACK.<domain>.<account>.<stream>.<consumer>.<n>...``); 1 if unreadable.
+
+    ``Msg.metadata`` parses every field (and builds a datetime) per message: measured at 10 % of
+    the dispatcher's CPU while draining a backlog.
+    """
+    tokens = reply.split(".", 7)
+    try:
+        return int(tokens[4] if reply.count(".") == 8 else tokens[6])
+    except (IndexError, ValueError):
+        return 1
+
+
+class PullFetcher:
+    """JetStream pull requests on core NATS, one per ``fetch``, each on its own reply subject
+    under one wildcard inbox.
+
+    Why not nats-py's ``PullSubscription.fetch``: (a) it waits ``asyncio.wait_for`` once per
+    message (a task each); (b) once a batch request must wait, it holds out for the *whole* batch
+    until its expiry, so a low-latency caller had to probe with a short no-wait fetch and then a
+    second long-poll for one message. Here one request ``{"batch": n, "expires": t, "no_wait":
+    true}`` does both: the server (2.10 or newer) waits up to ``t`` for the first message, sends
+    what it has (up to ``n``) and ends the request at once with a 408 status. Messages of a
+    request the caller stopped waiting for are kept for the next ``fetch`` (they are delivered;
+    their ack wait runs), its status is ignored. With a server that keeps the request open after
+    the first message, ``fetch`` returns ``linger_s`` after the last message.
+    """
+
+    LINGER_S = 0.005
+
+    def __init__(self, nc: NatsClient, stream: str, consumer: str) -> None:
+        self._nc = nc
+        self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        self._inbox = ""
+        self._sub: Subscription | None = None
+        self._buffer: deque[Msg] = deque()
+        self._requests = itertools.count(1)
+        self._current = ""  # reply token of the request a fetch is waiting on
+        self._ended = ""  # the last request the server ended (status message)
+        self._waiter: asyncio.Future[None] | None = None
+
+    async def start(self) -> None:
+        self._inbox = self._nc.new_inbox()
+        self._sub = await self._nc.subscribe(self._inbox + ".*", cb=self._on_msg)
+
+    async def stop(self) -> None:
+        sub, self._sub = self._sub, None
+        self._buffer.clear()  # not acked: redelivered after the ack wait
+        if sub is not None:
+            await sub.unsubscribe()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        if not msg.reply:  # a status: 408 request ended, 404 no messages, 409 ..., 100 heartbeat
+            status = (msg.headers or {}).get("Status", "")
+            if status != "100" and msg.subject.endswith("." + self._current):
+                self._ended = self._current
+                self._wake()
+            return
+        self._buffer.append(msg)
+        self._wake()
+
+    def _take(self, batch: int) -> list[Msg]:
+        buffer = self._buffer
+        if len(buffer) <= batch:
+            out = list(buffer)
+            buffer.clear()
+            return out
+        return [buffer.popleft() for _ in range(batch)]
+
+    async def fetch(self, batch: int, timeout: float) -> list[Msg]:  # noqa: ASYNC109
+        """Up to ``batch`` messages; waits up to ``timeout`` for the first. Raises nats errors."""
+        if self._buffer:
+            return self._take(batch)
+        loop = asyncio.get_running_loop()
+        token = str(next(self._requests))
+        self._current = token
+        request = {"batch": batch, "expires": int(timeout * 1e9), "no_wait": True}
+        await self._nc.publish(
+            self._next_subject, json.dumps(request).encode(), reply=f"{self._inbox}.{token}"
+        )
+        # The server ends the request itself; this margin only covers a lost connection.
+        deadline = loop.time() + timeout + 0.25 + 0.1 * timeout
+        try:
+            while len(self._buffer) < batch and self._ended != token:
+                now = loop.time()
+                if now >= deadline:
+                    break
+                wait = deadline - now
+                if self._buffer:
+                    wait = min(wait, self.LINGER_S)
+                waiter = self._waiter = loop.create_future()
+                timer = loop.call_later(wait, self._wake)
+                try:
+                    had = len(self._buffer)
+                    await waiter
+                finally:
+                    timer.cancel()
+                if had and len(self._buffer) == had and self._ended != token:
+                    break  # lingered with nothing new: an old server keeps the request open
+        finally:
+            self._waiter = None
+            self._current = ""
+        return self._take(batch)

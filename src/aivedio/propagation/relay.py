@@ -21,6 +21,7 @@ safety net (lost connection, rows whose retry became due).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -107,6 +108,10 @@ class RelayConfig:
     retry_max_s: float = 10.0
     max_rejections: int = 10  # broker rejections (not outages) before a row becomes 'dead'
     broker_pause_s: float = 0.5  # after a batch the broker could not take at all
+    # While busy (a round published something within busy_window_s), an empty round is followed
+    # by another claim after busy_poll_s instead of the NOTIFY sleep (see ``run``).
+    busy_window_s: float = 0.05
+    busy_poll_s: float = 0.002
     stats_interval_s: float = 5.0  # backlog gauges
     topics: Mapping[str, str] = field(
         default_factory=lambda: {"task.status.changed": "task.status"}
@@ -150,34 +155,55 @@ class OutboxRelay:
     # -- one round ---------------------------------------------------------------------------
 
     async def pump(self) -> PumpResult:
-        """Claim, publish, mark: one transaction. Returns what happened to the batch."""
-        cfg = self.config
-        async with self.db.transaction() as conn:
-            rows = await conn.fetch(q("outbox_claim"), cfg.batch_size)
-            if not rows:
-                return PumpResult()
-            messages = [
-                OutgoingMessage(
-                    topic=cfg.topic(r["event_type"]),
-                    key=str(r["aggregate_id"]),
-                    dedup_id=dedup_id(r["event_type"], r["aggregate_id"], r["aggregate_version"]),
-                    payload=r["payload"].encode(),
-                )
-                for r in rows
-            ]
-            started = time.perf_counter()
-            results = await self.bus.publish_many(messages)
-            PUBLISH_SECONDS.observe(time.perf_counter() - started)
-            if self._after_publish is not None:
-                await self._after_publish(rows)
-            result, ok, failed = self._sort(rows, results)
-            if ok:
-                await conn.execute(q("outbox_mark_published"), [r["id"] for r, _ in ok])
-            if failed:
-                ids, delays, dead = zip(*failed, strict=True)
-                await conn.execute(q("outbox_mark_failed"), list(ids), list(delays), list(dead))
+        """Claim, publish, mark: one transaction. Returns what happened to the batch.
+
+        The transaction commits without waiting for its WAL flush (``synchronous_commit = off``,
+        set in the same round trip as ``BEGIN``): a mark lost in a crash only means the rows are
+        published again, which the broker's dedup window and the consumers' keys absorb. The
+        relay's next round does not wait for a disk flush, nor does the event behind it.
+        """
+        async with self.db.connection() as conn:
+            await conn.execute("BEGIN; SET LOCAL synchronous_commit = off")
+            try:
+                result, ok = await self._round(conn)
+            except BaseException:
+                # The pool resets (or drops) a connection it gets back in a transaction anyway.
+                with contextlib.suppress(*DB_ERRORS, OSError):
+                    if not conn.is_closed():
+                        await conn.execute("ROLLBACK")
+                raise
+            await conn.execute("COMMIT")
         self._count(ok, result)
         return result
+
+    async def _round(
+        self, conn: asyncpg.Connection
+    ) -> tuple[PumpResult, list[tuple[asyncpg.Record, PublishAck]]]:
+        cfg = self.config
+        rows = await conn.fetch(q("outbox_claim"), cfg.batch_size)
+        if not rows:
+            return PumpResult(), []
+        messages = [
+            OutgoingMessage(
+                topic=cfg.topic(r["event_type"]),
+                key=str(r["aggregate_id"]),
+                dedup_id=dedup_id(r["event_type"], r["aggregate_id"], r["aggregate_version"]),
+                payload=r["payload"].encode(),
+            )
+            for r in rows
+        ]
+        started = time.perf_counter()
+        results = await self.bus.publish_many(messages)
+        PUBLISH_SECONDS.observe(time.perf_counter() - started)
+        if self._after_publish is not None:
+            await self._after_publish(rows)
+        result, ok, failed = self._sort(rows, results)
+        if ok:
+            await conn.execute(q("outbox_mark_published"), [r["id"] for r, _ in ok])
+        if failed:
+            ids, delays, dead = zip(*failed, strict=True)
+            await conn.execute(q("outbox_mark_failed"), list(ids), list(delays), list(dead))
+        return result, ok
 
     def _sort(
         self,
@@ -235,9 +261,22 @@ class OutboxRelay:
     # -- the loop ----------------------------------------------------------------------------
 
     async def run(self, stopping: asyncio.Event) -> None:
-        """Pump until ``stopping``: again at once after a non-empty round, else sleep."""
+        """Pump until ``stopping``: again at once after a non-empty round; after an empty one,
+        poll every ``busy_poll_s`` while the last publish is less than ``busy_window_s`` old,
+        else sleep on NOTIFY.
+
+        Why poll while busy: to fall asleep the relay must take the idle lock, which waits for
+        every writer transaction that is inserting an outbox row at that moment to commit (that
+        is what makes the re-check complete), so under a steady write load the relay would wait
+        for the slowest writer in flight before seeing rows that committed long before (p50
+        57 ms from event to relay round at 200 events/s on the CI box). A busy poll is one
+        index probe (``outbox_has_work``) on a pooled connection.
+        """
+        cfg = self.config
         stats = asyncio.create_task(self._stats_loop(stopping))
         failures = 0
+        loop = asyncio.get_running_loop()
+        busy_until = 0.0
         try:
             while not stopping.is_set():
                 try:
@@ -246,18 +285,35 @@ class OutboxRelay:
                 except DB_ERRORS as exc:
                     failures += 1
                     log(logger, logging.WARNING, "outbox relay round failed", error=repr(exc))
-                    await _wait(stopping, min(self.config.poll_interval_s, 0.1 * 2**failures))
+                    await _wait(stopping, min(cfg.poll_interval_s, 0.1 * 2**failures))
                     continue
                 if result.claimed:
                     self._busy_rechecks = 0
                     if result.broker_down:
-                        await _wait(stopping, self.config.broker_pause_s)
+                        await _wait(stopping, cfg.broker_pause_s)
+                    elif result.published:
+                        busy_until = loop.time() + cfg.busy_window_s
+                    continue
+                if loop.time() < busy_until:
+                    await self._poll_while_busy(stopping, busy_until)
                     continue
                 await self._sleep(stopping)
         finally:
             stats.cancel()
             await asyncio.gather(stats, return_exceptions=True)
             await self._drop_listener()
+
+    async def _poll_while_busy(self, stopping: asyncio.Event, until: float) -> None:
+        """Return once a claimable row shows up, or at ``until``."""
+        loop = asyncio.get_running_loop()
+        while not stopping.is_set() and loop.time() < until:
+            await _wait(stopping, self.config.busy_poll_s)
+            try:
+                async with self.db.connection() as conn:
+                    if await conn.fetchval(q("outbox_has_work")):
+                        return
+            except DB_ERRORS:
+                return  # the next round reports it
 
     async def _sleep(self, stopping: asyncio.Event) -> None:
         """Wait for a NOTIFY (or the poll interval) holding the idle lock; see the module doc."""
