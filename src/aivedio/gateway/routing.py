@@ -50,7 +50,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from aivedio.logs import log
-from aivedio.polling.ratelimit import interest_key
+from aivedio.polling.ratelimit import mark_interests
 
 if TYPE_CHECKING:
     from aivedio.propagation.dispatcher import DispatcherConfig, RoutedEvent
@@ -335,16 +335,12 @@ class InterestMarks:
                 # else: the next periodic pass marks them
 
     async def _mark(self, targets: set[Target]) -> bool:
-        """``SET <interest key> 1 PX ttl`` per target (as ``mark_interest``), one pipeline."""
+        """Every target in one pipeline (``mark_interests``, the poller's own key writer)."""
         if not targets:
             return True
-        ttl_ms = max(1, int(self.ttl_s * 1000))
-        pipe = self.redis.pipeline(transaction=False)
-        for kind, ident in targets:
-            pipe.set(interest_key(kind, ident, self.prefix), "1", px=ttl_ms)
         try:
             async with asyncio.timeout(self.timeout_s):
-                await pipe.execute()
+                await mark_interests(self.redis, targets, ttl_s=self.ttl_s, prefix=self.prefix)
         except REDIS_DOWN as exc:
             INTEREST_WRITES.labels("failed").inc()
             log(logger, logging.WARNING, "interest marks unavailable", error=repr(exc))

@@ -301,12 +301,27 @@ async def mark_interest(
     tasks ``interest_factor`` times as often (still inside every rate limit)."""
     if task_id is None and project_id is None:
         raise ValueError("mark_interest needs a task_id or a project_id")
+    targets: list[tuple[Literal["task", "project"], object]] = []
+    if task_id is not None:
+        targets.append(("task", task_id))
+    if project_id is not None:
+        targets.append(("project", project_id))
+    await mark_interests(redis, targets, ttl_s=ttl_s, prefix=prefix)
+
+
+async def mark_interests(
+    redis: aioredis.Redis,
+    targets: Iterable[tuple[Literal["task", "project"], object]],
+    *,
+    ttl_s: float = 30.0,
+    prefix: str = INTEREST_PREFIX,
+) -> None:
+    """:func:`mark_interest` for many ``("task" | "project", id)`` targets in one pipeline (the
+    gateway marks everything its streams watch at once)."""
     ttl_ms = max(1, int(ttl_s * 1000))
     pipe = redis.pipeline(transaction=False)
-    if task_id is not None:
-        pipe.set(interest_key("task", task_id, prefix), "1", px=ttl_ms)
-    if project_id is not None:
-        pipe.set(interest_key("project", project_id, prefix), "1", px=ttl_ms)
+    for kind, ident in targets:
+        pipe.set(interest_key(kind, ident, prefix), "1", px=ttl_ms)
     await pipe.execute()
 
 
@@ -345,5 +360,6 @@ __all__ = [
     "Scope",
     "interest_key",
     "mark_interest",
+    "mark_interests",
     "watched",
 ]
