@@ -91,6 +91,7 @@ class JetStreamBus:
         self._consumers: list[JetStreamConsumer] = []
         self.dlq_stream = f"{cfg.stream}_DLQ"
         self._prefix = cfg.subject_prefix
+        self._subjects: dict[str, str] = {}  # validated topic -> subject
         self._dlq_prefix = f"{cfg.subject_prefix}_dlq"
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -202,12 +203,15 @@ class JetStreamBus:
     def _encode(
         self, topic: str, key: str, dedup_id: str, headers: Mapping[str, str] | None
     ) -> tuple[str, dict[str, str]]:
-        validate_topic(topic)
+        subject = self._subjects.get(topic)
+        if subject is None:
+            validate_topic(topic)
+            subject = self._subjects[topic] = f"{self._prefix}.{topic}"
         validate_message(key, dedup_id, headers)
-        hdrs = dict(headers or {})
+        hdrs = dict(headers) if headers else {}
         hdrs[H_KEY] = key
         hdrs[H_MSG_ID] = dedup_id
-        return f"{self._prefix}.{topic}", hdrs
+        return subject, hdrs
 
     async def _send(
         self, subject: str, payload: bytes, headers: dict[str, str]
@@ -453,8 +457,10 @@ class JetStreamDelivery:
 
     async def ack(self) -> None:
         self._check()
-        with self._consumer._bus._edge("ack"):
+        try:  # the hot path: no context manager per message
             await self._msg.ack()
+        except NATS_ERRORS as exc:
+            raise self._consumer._bus._edge.translate(exc, "ack") from exc
 
     async def nak(self, delay_s: float = 0.0) -> None:
         self._check()

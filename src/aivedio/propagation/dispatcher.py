@@ -215,25 +215,46 @@ class NotificationDispatcher:
         self._publish_all = redis_client.register_script(PUBLISH_ALL)
 
     async def run(self, stopping: asyncio.Event) -> None:
+        """Fetch, publish, ack, in order. The next batch is fetched while this one is published
+        (one pull request ahead), so events arriving meanwhile do not wait for a round trip to
+        the broker after the acks. One consumer, batches handled one after the other: one
+        task's events reach Redis in the order they were stored."""
         cfg = self.config
         failures = 0
-        while not stopping.is_set():
-            try:
-                if self._consumer is None:
-                    self._consumer = await self.bus.subscribe(cfg.topic, cfg.group)
-                deliveries = await self._next_batch(self._consumer)
-                failures = 0
-            except BusClosed:
-                return
-            except BusUnavailable as exc:
-                failures += 1
-                log(logger, logging.WARNING, "dispatcher cannot fetch", error=str(exc))
-                await _pause(stopping, min(2.0, 0.1 * 2**failures))
-                continue
-            if deliveries and not await self.handle(deliveries):
-                await self._wait_for_redis(stopping)
-        if self._consumer is not None:
-            await self._consumer.close()
+        ahead: asyncio.Task[list[Delivery]] | None = None
+        try:
+            while not stopping.is_set():
+                try:
+                    if self._consumer is None:
+                        self._consumer = await self.bus.subscribe(cfg.topic, cfg.group)
+                    if ahead is not None:
+                        fetching, ahead = ahead, None
+                        deliveries = await fetching
+                    else:
+                        deliveries = await self._next_batch(self._consumer)
+                    failures = 0
+                except BusClosed:
+                    return
+                except BusUnavailable as exc:
+                    failures += 1
+                    log(logger, logging.WARNING, "dispatcher cannot fetch", error=str(exc))
+                    await _pause(stopping, min(2.0, 0.1 * 2**failures))
+                    continue
+                if not deliveries:
+                    continue
+                ahead = asyncio.create_task(self._next_batch(self._consumer))
+                if not await self.handle(deliveries):
+                    # Redis is away: what was fetched meanwhile goes back to the bus too.
+                    fetching, ahead = ahead, None
+                    with contextlib.suppress(BusError):
+                        await self._settle(await fetching, nak_delay=cfg.redis_nak_delay_s)
+                    await self._wait_for_redis(stopping)
+        finally:
+            if ahead is not None:  # stopping: its deliveries come back after the ack wait
+                ahead.cancel()
+                await asyncio.gather(ahead, return_exceptions=True)
+            if self._consumer is not None:
+                await self._consumer.close()
 
     async def _next_batch(self, consumer: Consumer) -> list[Delivery]:
         """What is there now (up to a batch), else the first events to arrive within

@@ -151,6 +151,7 @@ class OutboxRelay:
         self._wake = asyncio.Event()
         self._listener: asyncpg.Connection | None = None
         self._busy_rechecks = 0  # re-checks that saw work another relay then held
+        self._unlocking: asyncio.Future[str] | None = None  # the idle lock's release, in flight
 
     # -- one round ---------------------------------------------------------------------------
 
@@ -183,15 +184,17 @@ class OutboxRelay:
         rows = await conn.fetch(q("outbox_claim"), cfg.batch_size)
         if not rows:
             return PumpResult(), []
-        messages = [
-            OutgoingMessage(
-                topic=cfg.topic(r["event_type"]),
-                key=str(r["aggregate_id"]),
-                dedup_id=dedup_id(r["event_type"], r["aggregate_id"], r["aggregate_version"]),
-                payload=r["payload"].encode(),
+        messages = []
+        for r in rows:
+            event_type, task = r["event_type"], str(r["aggregate_id"])
+            messages.append(
+                OutgoingMessage(
+                    topic=cfg.topic(event_type),
+                    key=task,
+                    dedup_id=dedup_id(event_type, task, r["aggregate_version"]),
+                    payload=r["payload"].encode(),
+                )
             )
-            for r in rows
-        ]
         started = time.perf_counter()
         results = await self.bus.publish_many(messages)
         PUBLISH_SECONDS.observe(time.perf_counter() - started)
@@ -318,6 +321,13 @@ class OutboxRelay:
     async def _sleep(self, stopping: asyncio.Event) -> None:
         """Wait for a NOTIFY (or the poll interval) holding the idle lock; see the module doc."""
         poll = self.config.poll_interval_s
+        if self._unlocking is not None:
+            unlocking, self._unlocking = self._unlocking, None
+            try:
+                await unlocking
+            except DB_ERRORS as exc:
+                log(logger, logging.WARNING, "outbox listener lost", error=repr(exc))
+                await self._drop_listener()
         listener = await self._connect_listener()
         if listener is None:
             await _wait(stopping, poll)
@@ -336,9 +346,15 @@ class OutboxRelay:
         try:
             # A writer that committed before we held the lock did not notify: look once more.
             work = bool(await listener.fetchval(q("outbox_has_work")))
-            if not work:
+            if work:
+                await listener.execute("SELECT pg_advisory_unlock($1)", IDLE_LOCK)
+            else:
                 await _wait(stopping, poll, self._wake)
-            await listener.execute("SELECT pg_advisory_unlock($1)", IDLE_LOCK)
+                # Woken: claim at once and release the lock meanwhile (one round trip less on
+                # the wake-up path); the next sleep waits for the release first.
+                self._unlocking = asyncio.ensure_future(
+                    listener.execute("SELECT pg_advisory_unlock($1)", IDLE_LOCK)
+                )
         except DB_ERRORS as exc:
             log(logger, logging.WARNING, "outbox listener lost", error=repr(exc))
             await self._drop_listener()  # closing the session releases the lock
@@ -375,6 +391,9 @@ class OutboxRelay:
         self._wake.set()
 
     async def _drop_listener(self) -> None:
+        if self._unlocking is not None:
+            unlocking, self._unlocking = self._unlocking, None
+            await asyncio.gather(unlocking, return_exceptions=True)
         conn, self._listener = self._listener, None
         if conn is not None and not conn.is_closed():
             try:
