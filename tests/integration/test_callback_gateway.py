@@ -1,11 +1,18 @@
 """POST /v1/callbacks/{provider} against real PostgreSQL: the spec vector end to end, the
 independent ``standardwebhooks`` signer, key rotation, one test per rejection (status AND no row),
-replays, a duplicate storm, PostgreSQL cut mid-run, and a fuzz of the ingest parser."""
+replays, a duplicate storm, PostgreSQL cut mid-run, and a fuzz of the ingest parser.
+
+Each runs over both transports (``transport`` parameter): ``asgi``, the Starlette route through
+httpx's ASGI transport, and ``lean``, the production server (``serve_http``: the sniffer and the
+lean HTTP/1.1 path of ``aivedio.ingest.http``) over a real socket. The tests that count what the
+client pulled from a streamed body are ASGI-only; their socket versions are in
+``test_ingest_lean_http.py``."""
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -31,6 +38,7 @@ from starlette.middleware import Middleware
 from aivedio.api.http import TraceMiddleware
 from aivedio.config import DatabaseConfig
 from aivedio.db.pool import Database
+from aivedio.gateway.server import serve_http
 from aivedio.ingest.gateway import CallbackConfig, StandardWebhooksJson, callback_routes
 from aivedio.ingest.group_commit import GroupCommitConfig, InboxWriter
 from aivedio.ingest.jwks import FalEd25519Verifier, JwksCache
@@ -144,15 +152,67 @@ def build_app(db: Database, writer: InboxWriter, jwks_down: list[bool],
     return Starlette(routes=routes, middleware=[Middleware(TraceMiddleware)])
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@contextlib.asynccontextmanager
+async def lean_server(app: Starlette, **options: Any) -> AsyncIterator[int]:
+    """The production HTTP server (sniffer + lean callback path) on a free port; ``options``
+    go to uvicorn's config."""
+    port = free_port()
+    stopping = asyncio.Event()
+    serving = asyncio.create_task(
+        serve_http(app, "127.0.0.1", port, None, stopping, "auto", **options)
+    )
+    try:
+        for _ in range(500):
+            assert not serving.done(), serving
+            try:
+                _, probe = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:
+                await asyncio.sleep(0.01)
+                continue
+            probe.close()
+            break
+        yield port
+    finally:
+        stopping.set()
+        await serving
+
+
+@contextlib.asynccontextmanager
+async def client_for(app: Starlette, transport: str) -> AsyncIterator[httpx.AsyncClient]:
+    if transport == "asgi":
+        asgi = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=asgi, base_url="http://t") as client:
+            yield client
+        return
+    async with (
+        lean_server(app) as port,
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client,
+    ):
+        yield client
+
+
+@pytest.fixture(params=["asgi", "lean"])
+def transport(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-async def gateway(db: Database) -> AsyncIterator[Gateway]:
+async def gateway(db: Database, transport: str) -> AsyncIterator[Gateway]:
     writer = InboxWriter(db, GroupCommitConfig())
     writer.start()
     jwks_down = [False]
     app = build_app(db, writer, jwks_down)
-    transport = httpx.ASGITransport(app=app)
     try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        async with client_for(app, transport) as client:
             yield Gateway(client, db, jwks_down)
     finally:
         await writer.close()
@@ -165,7 +225,7 @@ def metric(name: str, **labels: str) -> float:
 # --- accepted ------------------------------------------------------------------------------------
 
 
-async def test_spec_vector_end_to_end(db: Database) -> None:
+async def test_spec_vector_end_to_end(db: Database, transport: str) -> None:
     writer = InboxWriter(db)
     writer.start()
     app = build_app(db, writer, [False], clock=lambda: SPEC_TS + 10)
@@ -176,8 +236,7 @@ async def test_spec_vector_end_to_end(db: Database) -> None:
         "webhook-signature": SPEC_SIGNATURE,
     }
     try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://t") as client:  # fmt: skip
+        async with client_for(app, transport) as client:
             response = await client.post("/v1/callbacks/spec", content=SPEC_BODY, headers=headers)
     finally:
         await writer.close()
@@ -380,6 +439,7 @@ async def test_charset_parameter_is_accepted(gateway: Gateway) -> None:
     assert (await gateway.post(body, headers)).status_code == 204
 
 
+@pytest.mark.parametrize("transport", ["asgi"])
 async def test_oversize_body_by_content_length_is_413_without_reading(gateway: Gateway) -> None:
     body = event(pad="x" * 5000)  # the sandbox provider's limit is 4096 here
     pulled = 0
@@ -396,6 +456,7 @@ async def test_oversize_body_by_content_length_is_413_without_reading(gateway: G
     assert pulled == 0
 
 
+@pytest.mark.parametrize("transport", ["asgi"])
 async def test_oversize_streamed_body_is_413_and_reading_stops(gateway: Gateway) -> None:
     pulled = 0
 
@@ -503,7 +564,7 @@ async def test_slow_body_is_408(db: Database) -> None:
 
 
 async def test_database_cut_mid_run_never_answers_2xx_without_a_row(
-    database_url: str, db: Database
+    database_url: str, db: Database, transport: str
 ) -> None:
     target = urlsplit(database_url)
     proxy = TcpProxy(target.hostname or "127.0.0.1", target.port or 5432)
@@ -517,8 +578,7 @@ async def test_database_cut_mid_run_never_answers_2xx_without_a_row(
     app = build_app(cut_db, writer, [False])
     sent: dict[str, int] = {}
     try:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                     base_url="http://t") as client:  # fmt: skip
+        async with client_for(app, transport) as client:
 
             async def post(seq: int) -> tuple[str, int]:
                 body = event(seq=seq)
@@ -617,7 +677,8 @@ FUZZ_CASES = st.builds(
 
 
 def fuzz_headers(case: FuzzCase) -> dict[str, str]:
-    headers = dict(case.extra)
+    # values as an HTTP client sends them (h11 refuses leading or trailing whitespace)
+    headers = {name: value.strip() for name, value in case.extra.items()}
     msg_id = f"msg_{uuid.uuid4().hex}"
     ts = str(int(time.time()) + case.ts_offset)
     if case.signing == "valid":
@@ -634,7 +695,7 @@ def fuzz_headers(case: FuzzCase) -> dict[str, str]:
         headers |= {"webhook-id": msg_id, "webhook-timestamp": ts, "webhook-signature": "v1,abc"}
     headers.pop("content-type", None)
     if case.content_type is not None:
-        headers["content-type"] = case.content_type
+        headers["content-type"] = case.content_type.strip()
     return headers
 
 
@@ -646,16 +707,18 @@ def fuzz_loop() -> Iterator[asyncio.Runner]:
 
 @pytest.mark.slow
 def test_fuzz_ingest_parser_no_500_and_no_row_for_rejected_input(
-    database_url: str, fuzz_loop: asyncio.Runner
+    database_url: str, fuzz_loop: asyncio.Runner, transport: str
 ) -> None:
     run = fuzz_loop.run
     db = run(Database.connect(DatabaseConfig(url=database_url, min_size=1, max_size=4)))
     writer = InboxWriter(db)
+    serving = contextlib.AsyncExitStack()
 
     async def start() -> httpx.AsyncClient:
         writer.start()
-        transport = httpx.ASGITransport(app=build_app(db, writer, [False]))
-        return httpx.AsyncClient(transport=transport, base_url="http://t")
+        return await serving.enter_async_context(
+            client_for(build_app(db, writer, [False]), transport)
+        )
 
     client = run(start())
     accepted: set[str] = set()
@@ -699,6 +762,6 @@ def test_fuzz_ingest_parser_no_500_and_no_row_for_rejected_input(
         print("fuzz statuses:", dict(sorted(statuses.items())))
         assert statuses.get(204, 0) > 100 and len(statuses) > 5, statuses
     finally:
-        run(client.aclose())
+        run(serving.aclose())
         run(writer.close())
         run(db.close())

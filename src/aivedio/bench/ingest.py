@@ -6,14 +6,17 @@ In one invocation, on one scratch database (created, migrated, dropped):
    into ``provider_callback_inbox`` (``-M prepared -j 2``, unique keys from ``:client_id`` and a
    random number) for each client count in ``pgbench_clients``; the best TPS is the ceiling: what
    PostgreSQL does with one commit per row on this machine.
-2. The table is emptied; a real uvicorn server on a free port serves the callback gateway
-   (Standard Webhooks verification, group-commit inbox writer) in this process.
-3. A load generator in a separate process (raw HTTP/1.1 keep-alive sockets, so the client costs
-   little CPU) sends validly signed callbacks with distinct ids: first closed-loop on
-   ``connections`` connections as fast as the server answers (the maximum rate), then open-loop
-   at half that rate, where latency is measured from each request's scheduled send time (no
-   coordinated omission). Only 204 answers count, and the stored rows are counted to check that
-   every 204 has its committed row.
+2. The table is emptied; the production HTTP server runs in this process, on uvloop (``loop``):
+   ``serve_http`` with its sniffer, so ``POST /v1/callbacks/{provider}`` takes the lean HTTP/1.1
+   path (``path=lean``; ``path=asgi`` serves it through uvicorn, Starlette and the trace
+   middleware instead, for comparison), Standard Webhooks verification, group-commit inbox writer.
+3. Load generators in ``client_processes`` separate processes (uvloop protocols on raw HTTP/1.1
+   keep-alive sockets, one request in flight per connection, requests signed from a template:
+   the client costs little CPU) send validly signed callbacks with distinct ids, all starting at
+   one instant: first closed-loop on ``connections`` connections as fast as the server answers
+   (the maximum rate), then open-loop at half that rate, where latency is measured from each
+   request's scheduled send time (no coordinated omission). Only 204 answers count, and the
+   stored rows are counted to check that every 204 has its committed row.
 
 Figures are printed side by side, then the JSON line
 ``{"bench": "ingest", "per_s", "ceiling_per_s", "ratio", "p50_ms", "p95_ms", "p99_ms", ...}``.
@@ -28,6 +31,7 @@ import hashlib
 import hmac
 import importlib.util
 import json
+import math
 import os
 import re
 import socket
@@ -35,9 +39,11 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Mapping
+from array import array
+from collections import deque
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
 from starlette.applications import Starlette
@@ -55,6 +61,7 @@ from aivedio.bench.common import (
 )
 from aivedio.config import DatabaseConfig, Settings
 from aivedio.db.pool import Database
+from aivedio.gateway.server import serve_http
 from aivedio.ingest.gateway import CallbackConfig, StandardWebhooksJson, callback_routes
 from aivedio.ingest.group_commit import GroupCommitConfig, InboxWriter
 from aivedio.ingest.verify import StandardWebhooksVerifier
@@ -78,151 +85,275 @@ class IngestOptions:
     """Group commit: how long a batch that is not full waits for more rows."""
     max_batch: int = 512
     pool_size: int = 4
+    path: str = "lean"
+    """How callbacks are served: lean (the production path: sniffer + ``aivedio.ingest.http``)
+    or asgi (uvicorn, Starlette and the trace middleware: the path before the lean one)."""
     http: str = "auto"
-    """uvicorn's HTTP parser: auto (httptools when installed, else h11), h11, httptools."""
+    """uvicorn's HTTP parser for ``path=asgi``: auto (httptools when installed, else h11), h11,
+    httptools."""
+    loop: str = "uvloop"
+    """The server's event loop: uvloop (as ``aivedio run``) or asyncio."""
+    client_processes: int = 1
+    """Load-generator processes (connections and rate split between them)."""
 
 
-# --- the load generator (runs in its own process) -----------------------------------------------
+# --- the load generator (runs in its own processes) ---------------------------------------------
+
+_BODY = (
+    b'{"type":"generation.updated","data":{"id":"gen_%s_%d","status":"running","progress":42,'
+    b'"sequence":3,"updated_at":"2025-01-01T00:00:00Z","error":null,"output":null,'
+    b'"metadata":{"client_request_id":"cr_%d"}}}'
+)
+_HEAD = (
+    b"POST /v1/callbacks/%s HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\n"
+    b"content-length: %d\r\nwebhook-id: %s\r\nwebhook-timestamp: %s\r\n"
+    b"webhook-signature: v1,%s\r\n\r\n"
+)
 
 
-def _request(key: bytes, seq: int, run_id: str) -> bytes:
-    msg_id = f"msg_{run_id}_{seq}"
-    ts = str(int(time.time()))
-    data = {
-        "id": f"gen_{run_id}_{seq}",
-        "status": "running",
-        "progress": 42,
-        "sequence": 3,
-        "updated_at": "2025-01-01T00:00:00Z",
-        "error": None,
-        "output": None,
-        "metadata": {"client_request_id": f"cr_{seq}"},
-    }
-    body = json.dumps({"type": "generation.updated", "data": data}, separators=(",", ":")).encode()
-    mac = hmac.new(key, f"{msg_id}.{ts}.".encode() + body, hashlib.sha256).digest()
-    head = (
-        f"POST /v1/callbacks/{PROVIDER} HTTP/1.1\r\nhost: bench\r\n"
-        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
-        f"webhook-id: {msg_id}\r\nwebhook-timestamp: {ts}\r\n"
-        f"webhook-signature: v1,{base64.b64encode(mac).decode()}\r\n\r\n"
+def _request(key: bytes, seq: int, run_id: str, ts: bytes | None = None) -> bytes:
+    """One validly signed callback (a distinct ``webhook-id`` per ``seq``), from a template: the
+    JSON is what ``json.dumps(..., separators=(",", ":"))`` writes for it."""
+    rid = run_id.encode("ascii")
+    msg_id = b"msg_%s_%d" % (rid, seq)
+    ts = ts or str(int(time.time())).encode("ascii")
+    body = _BODY % (rid, seq, seq)
+    mac = hmac.digest(key, b"%s.%s.%s" % (msg_id, ts, body), "sha256")
+    head = _HEAD % (
+        PROVIDER.encode("ascii"),
+        len(body),
+        msg_id,
+        ts,
+        base64.b64encode(mac),
     )
-    return head.encode() + body
+    return head + body
 
 
-async def _exchange(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes
-) -> int:
-    writer.write(request)
-    status_line = await reader.readline()
-    status = int(status_line.split(b" ", 2)[1])
-    length = 0
-    while (line := await reader.readline()) not in (b"\r\n", b""):
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value)
-    if length:
-        await reader.readexactly(length)
-    return status
+class _Requests:
+    """Signed requests in sequence; the timestamp is taken once a second (tolerance: 5 min)."""
+
+    def __init__(self, run_id: str) -> None:
+        self.key = base64.b64decode(SECRET.removeprefix("whsec_"))
+        self.run_id = run_id
+        self.seq = 0
+        self.second = 0
+        self.ts = b""
+
+    def next(self) -> bytes:
+        self.seq += 1
+        now = int(time.time())
+        if now != self.second:
+            self.second, self.ts = now, str(now).encode("ascii")
+        return _request(self.key, self.seq, self.run_id, self.ts)
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection with one request in flight; answers go to ``_Load.answered``."""
+
+    def __init__(self, load: _Load) -> None:
+        self.load = load
+        self.transport: asyncio.Transport | None = None
+        self.buf = b""
+        self.sent_for = 0.0  # the time the request in flight counts from
+        self.measured = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.load.lost(self)
+
+    def send(self, request: bytes, sent_for: float, measured: bool) -> None:
+        assert self.transport is not None
+        self.sent_for, self.measured = sent_for, measured
+        self.transport.write(request)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf + data if self.buf else data
+        while True:
+            end = buf.find(b"\r\n\r\n")
+            if end < 0:
+                break
+            length = 0
+            at = buf.find(b"content-length:", 0, end)
+            if at >= 0:
+                length = int(buf[at + 15 : buf.find(b"\r\n", at)])
+            if len(buf) < end + 4 + length:
+                break
+            status = int(buf[9:12])
+            buf = buf[end + 4 + length :]
+            self.load.answered(self, status)
+        self.buf = buf
 
 
 class _Load:
-    def __init__(self, port: int, run_id: str) -> None:
-        self.port = port
-        self.run_id = run_id
-        self.key = base64.b64decode(SECRET.removeprefix("whsec_"))
-        self.seq = 0
-        self.latencies: list[float] = []
+    def __init__(self, run_id: str) -> None:
+        self.requests = _Requests(run_id)
+        self.latencies: array[float] = array("d")
         self.statuses: dict[int, int] = {}
+        self.idle: list[_Connection] = []
+        self.backlog: deque[float] = deque()
+        self.open = 0
+        self.in_flight = 0
+        self.measure_from = 0.0
+        self.stop_at = math.inf
+        self.closed_loop = True
+        self.finished: asyncio.Future[None] | None = None
 
-    def next_request(self) -> bytes:
-        self.seq += 1
-        return _request(self.key, self.seq, self.run_id)
-
-    def record(self, status: int, latency: float, measuring: bool) -> None:
-        self.statuses[status] = self.statuses.get(status, 0) + 1
-        if measuring and status == 204:
-            self.latencies.append(latency)
-
-    async def closed_loop(self, connections: int, warmup: float, seconds: float) -> float:
-        """Every connection sends its next request when the last one is answered; the measured
-        window's length."""
-        start = time.perf_counter()
-        measure_from, stop_at = start + warmup, start + warmup + seconds
-
-        async def worker() -> None:
-            reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
-            try:
-                while (sent := time.perf_counter()) < stop_at:
-                    status = await _exchange(reader, writer, self.next_request())
-                    self.record(status, time.perf_counter() - sent, sent >= measure_from)
-            finally:
-                writer.close()
-
-        await asyncio.gather(*(worker() for _ in range(connections)))
-        return seconds
-
-    async def open_loop(self, connections: int, rate: float, seconds: float) -> float:
-        """Requests scheduled at ``rate`` per second whatever the answers; latency from the
-        scheduled time, so a stalled server is not hidden by a stalled client."""
-        idle: asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = asyncio.Queue()
+    async def connect(self, port: int, connections: int) -> list[_Connection]:
+        loop = asyncio.get_running_loop()
+        made: list[_Connection] = []
         for _ in range(connections):
-            idle.put_nowait(await asyncio.open_connection("127.0.0.1", self.port))
-        tasks: set[asyncio.Task[None]] = set()
+            _, conn = await loop.create_connection(lambda: _Connection(self), "127.0.0.1", port)
+            made.append(conn)
+        self.open = len(made)
+        return made
 
-        async def send(scheduled: float) -> None:
-            conn = await idle.get()
-            try:
-                status = await _exchange(conn[0], conn[1], self.next_request())
-                self.record(status, time.perf_counter() - scheduled, True)
-            finally:
-                idle.put_nowait(conn)
+    def send(self, conn: _Connection, sent_for: float, measured: bool) -> None:
+        self.in_flight += 1
+        conn.send(self.requests.next(), sent_for, measured)
 
-        start = time.perf_counter()
+    def answered(self, conn: _Connection, status: int) -> None:
+        now = time.perf_counter()
+        self.in_flight -= 1
+        self.statuses[status] = self.statuses.get(status, 0) + 1
+        if conn.measured and status == 204:
+            self.latencies.append(now - conn.sent_for)
+        if self.closed_loop:
+            if now < self.stop_at:
+                self.send(conn, now, now >= self.measure_from)
+            else:
+                self._maybe_finished()
+        elif self.backlog:
+            self.send(conn, self.backlog.popleft(), True)
+        else:
+            self.idle.append(conn)
+            self._maybe_finished()
+
+    def lost(self, conn: _Connection) -> None:
+        self.open -= 1
+        if conn in self.idle:
+            self.idle.remove(conn)
+        self._maybe_finished()
+
+    def _maybe_finished(self) -> None:
+        done = self.in_flight == 0 and not self.backlog and time.perf_counter() >= self.stop_at
+        if (done or self.open == 0) and self.finished is not None and not self.finished.done():
+            self.finished.set_result(None)
+
+    async def closed(self, conns: list[_Connection], start: float, warmup: float,
+                     seconds: float) -> None:  # fmt: skip
+        """Every connection sends its next request when the last one is answered."""
+        self.finished = asyncio.get_running_loop().create_future()
+        self.measure_from, self.stop_at = start + warmup, start + warmup + seconds
+        for conn in conns:
+            self.send(conn, start, warmup <= 0)
+        await self.finished
+
+    async def open_loop(self, conns: list[_Connection], start: float, rate: float,
+                        seconds: float) -> None:  # fmt: skip
+        """Requests scheduled at ``rate`` per second whatever the answers, sent on an idle
+        connection (or as soon as one is free); latency from the scheduled time."""
+        self.closed_loop = False
+        self.finished = asyncio.get_running_loop().create_future()
+        self.idle = list(conns)
         total = int(rate * seconds)
-        for k in range(total):
-            due = start + k / rate
-            delay = due - time.perf_counter()
-            if delay > 0.0005:
-                await asyncio.sleep(delay)
-            task = asyncio.create_task(send(due))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        await asyncio.gather(*tasks)
-        while not idle.empty():
-            idle.get_nowait()[1].close()
-        return seconds
+        issued = 0
+        while issued < total:
+            now = time.perf_counter()
+            due = min(total, int((now - start) * rate) + 1)
+            while issued < due:
+                scheduled = start + issued / rate
+                issued += 1
+                if self.idle:
+                    self.send(self.idle.pop(), scheduled, True)
+                else:
+                    self.backlog.append(scheduled)
+            await asyncio.sleep(max(0.0, start + issued / rate - time.perf_counter()))
+        self.stop_at = time.perf_counter()
+        self._maybe_finished()
+        await self.finished
 
 
 async def _client(params: dict[str, Any]) -> dict[str, Any]:
-    load = _Load(params["port"], params["run_id"])
+    load = _Load(params["run_id"])
+    conns = await load.connect(params["port"], params["connections"])
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    start_wall = float(sys.stdin.readline())  # every client process starts at this instant
+    start = time.perf_counter() + (start_wall - time.time())
+    await asyncio.sleep(max(0.0, start - time.perf_counter()))
     if params["mode"] == "closed":
-        window = await load.closed_loop(params["connections"], params["warmup"], params["seconds"])
+        await load.closed(conns, start, params["warmup"], params["seconds"])
     else:
-        window = await load.open_loop(params["connections"], params["rate"], params["seconds"])
-    return {"window": window, "latencies": load.latencies, "statuses": load.statuses}
+        await load.open_loop(conns, start, params["rate"], params["seconds"])
+    for conn in conns:
+        if conn.transport is not None:
+            conn.transport.close()
+    return {
+        "window": params["seconds"],
+        "latencies": list(load.latencies),
+        "statuses": load.statuses,
+    }
 
 
 def client_main() -> int:
-    """Entry of the load-generator process: parameters on stdin, one JSON result on stdout."""
-    params = json.loads(sys.stdin.read())
-    result = asyncio.run(_client(params))
-    sys.stdout.write(json.dumps(result))
+    """Entry of a load-generator process: parameters on the first stdin line, ``ready`` once
+    connected, the start time (Unix seconds) on the next line, one JSON result on stdout."""
+    import uvloop
+
+    params = json.loads(sys.stdin.readline())
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        result = runner.run(_client(params))
+    sys.stdout.write(json.dumps(result) + "\n")
     return 0
 
 
-async def _run_client(params: dict[str, Any]) -> dict[str, Any]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-c",
-        "import sys; from aivedio.bench.ingest import client_main; sys.exit(client_main())",
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-    )
-    out, _ = await proc.communicate(json.dumps(params).encode())
-    if proc.returncode != 0:
-        raise RuntimeError(f"load generator exited with {proc.returncode}")
-    result: dict[str, Any] = json.loads(out)
-    return result
+async def _run_clients(processes: int, params: dict[str, Any]) -> dict[str, Any]:
+    """Run the load in ``processes`` processes at once (connections and rate split between
+    them, one run id each); their results merged."""
+    procs = []
+    for i in range(processes):
+        share = params | {
+            "connections": params["connections"] // processes
+            + (1 if i < params["connections"] % processes else 0),
+            "run_id": f"{params['run_id']}{i}",
+        }
+        if "rate" in params:
+            share["rate"] = params["rate"] / processes
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            "import sys; from aivedio.bench.ingest import client_main; sys.exit(client_main())",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            limit=1 << 28,
+        )
+        assert proc.stdin is not None
+        assert proc.stdout is not None
+        proc.stdin.write(json.dumps(share).encode() + b"\n")
+        procs.append(proc)
+    for proc in procs:
+        assert proc.stdout is not None
+        if (await proc.stdout.readline()).strip() != b"ready":
+            raise RuntimeError("a load generator did not connect")
+    start = str(time.time() + 0.2).encode() + b"\n"
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write(start)
+        await proc.stdin.drain()
+    merged: dict[str, Any] = {"window": params["seconds"], "latencies": [], "statuses": {}}
+    for proc in procs:
+        assert proc.stdout is not None
+        line = await proc.stdout.readline()
+        if await proc.wait() != 0 or not line:
+            raise RuntimeError(f"load generator exited with {proc.returncode}")
+        result = json.loads(line)
+        merged["latencies"].extend(result["latencies"])
+        for status, count in result["statuses"].items():
+            merged["statuses"][status] = merged["statuses"].get(status, 0) + count
+    return merged
 
 
 # --- pgbench: the ceiling ------------------------------------------------------------------------
@@ -286,9 +417,8 @@ def _free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def _server(url: str, opts: IngestOptions) -> Any:
-    import uvicorn
-
+async def _server(url: str, opts: IngestOptions) -> AsyncIterator[tuple[int, Database]]:
+    """The production HTTP server (``serve_http``: sniffer, lean callback path) on a free port."""
     db = await Database.connect(
         DatabaseConfig(url=url, min_size=opts.pool_size, max_size=opts.pool_size)
     )
@@ -302,21 +432,28 @@ async def _server(url: str, opts: IngestOptions) -> Any:
         middleware=[Middleware(TraceMiddleware)],
     )
     port = _free_port()
-    config = uvicorn.Config(
-        app, host="127.0.0.1", port=port, log_level="warning", access_log=False,
-        lifespan="off", backlog=4096, http=opts.http,
+    stopping = asyncio.Event()
+    options: dict[str, Any] = {"backlog": 4096}
+    if opts.path == "asgi":
+        options["http"] = opts.http
+    serving = asyncio.create_task(
+        serve_http(app, "127.0.0.1", port, None, stopping,
+                   "auto" if opts.path == "lean" else None, **options)
     )  # fmt: skip
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    while not server.started:
-        if task.done():
-            raise RuntimeError("uvicorn did not start")
-        await asyncio.sleep(0.02)
     try:
+        for _ in range(500):
+            if serving.done():
+                await serving
+                raise RuntimeError("the HTTP server did not start")
+            with contextlib.suppress(OSError):
+                _, probe = await asyncio.open_connection("127.0.0.1", port)
+                probe.close()
+                break
+            await asyncio.sleep(0.02)
         yield port, db
     finally:
-        server.should_exit = True
-        await task
+        stopping.set()
+        await serving
         await writer.close()
         await db.close()
 
@@ -356,14 +493,17 @@ async def _main(settings: Settings, opts: IngestOptions) -> dict[str, Any]:
         async with _server(url, opts) as (port, _db):
             run_id = uuid.uuid4().hex[:8]
             common = {"port": port, "connections": opts.connections, "seconds": opts.seconds}
+            procs = opts.client_processes
             top = _phase(
-                await _run_client(
-                    common | {"mode": "closed", "warmup": opts.warmup, "run_id": run_id + "a"}
+                await _run_clients(
+                    procs,
+                    common | {"mode": "closed", "warmup": opts.warmup, "run_id": run_id + "a"},
                 )
             )
             half = _phase(
-                await _run_client(
-                    common | {"mode": "open", "rate": top.per_s / 2, "run_id": run_id + "b"}
+                await _run_clients(
+                    procs,
+                    common | {"mode": "open", "rate": top.per_s / 2, "run_id": run_id + "b"},
                 )
             )
         async with conn_db.connection() as conn:
@@ -391,9 +531,19 @@ def _http_impl(choice: str) -> str:
 
 def run(settings: Settings, options: Mapping[str, str]) -> int:
     opts = build_options(IngestOptions, options)
-    if opts.seconds <= 0 or opts.connections <= 0:
-        raise BenchUsageError("seconds and connections must be positive")
-    r = asyncio.run(_main(settings, opts))
+    if opts.seconds <= 0 or opts.connections <= 0 or opts.client_processes <= 0:
+        raise BenchUsageError("seconds, connections and client_processes must be positive")
+    if opts.connections < opts.client_processes:
+        raise BenchUsageError("at least one connection per client process")
+    if opts.path not in ("lean", "asgi") or opts.loop not in ("uvloop", "asyncio"):
+        raise BenchUsageError("path is lean or asgi; loop is uvloop or asyncio")
+    if opts.loop == "uvloop":
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            r = runner.run(_main(settings, opts))
+    else:
+        r = asyncio.run(_main(settings, opts))
     top: Phase = r["top"]
     half: Phase = r["half"]
     ceiling: float = r["ceiling"]
@@ -403,7 +553,7 @@ def run(settings: Settings, options: Mapping[str, str]) -> int:
     for c, tps in r["pgbench"].items():
         print(f"  pgbench single-row INSERT  -c {c:<3} -j 2 -M prepared : {tps:10.1f} /s")
     for title, phase in (
-        (f"gateway, {opts.connections} connections, max rate", top),
+        (f"gateway ({opts.path}), {opts.connections} connections, max rate", top),
         (f"gateway at half that rate ({top.per_s / 2:.0f}/s)", half),
     ):
         print(
@@ -428,7 +578,10 @@ def run(settings: Settings, options: Mapping[str, str]) -> int:
             "half_rate_p99_ms": rounded(half.p99_ms),
             "pgbench_tps": {str(c): rounded(t, 1) for c, t in r["pgbench"].items()},
             "connections": opts.connections,
-            "http": _http_impl(opts.http),
+            "path": opts.path,
+            "http": _http_impl(opts.http) if opts.path == "asgi" else "httptools (lean)",
+            "loop": opts.loop,
+            "client_processes": opts.client_processes,
             "stored_rows": r["stored"],
             "answered_204": r["accepted"],
         }

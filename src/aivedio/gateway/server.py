@@ -1,9 +1,11 @@
-"""One port for the ASGI app and the lean SSE path.
+"""One port for the ASGI app, the lean SSE path and the lean callback path.
 
 uvicorn accepts a protocol *class* as ``Config(http=...)``. We give it ``SniffingProtocol``: it
 reads the first request head of a connection; ``GET /v1/projects/{id}/events`` becomes an
 ``SseTransport`` and ``GET /v1/projects/{id}/ws`` a ``WsTransport`` owned by the gateway (no ASGI,
-no task per connection; the gateway answers the upgrade), anything else is handed,
+no task per connection; the gateway answers the upgrade), ``POST /v1/callbacks/{provider}`` a
+``CallbackProtocol`` of :mod:`aivedio.ingest.http` (its own HTTP/1.1 keep-alive loop, which hands
+the connection back here when a request for anything else follows), anything else is handed,
 with the bytes already read, to uvicorn's own HTTP protocol (h11 or httptools) built with the same
 config and server state, exactly as uvicorn's ``AutoZttpProtocol`` hands over after sniffing. So
 uvicorn keeps everything it does (signals aside, which the process owns): Date headers, keep-alive,
@@ -14,9 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import socket
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import h11
 import uvicorn
@@ -28,19 +31,29 @@ from aivedio.gateway.gateway import Gateway
 from aivedio.gateway.protocol import PREFIX, is_events_target, is_ws_target, request_line
 from aivedio.gateway.transport import SseTransport
 from aivedio.gateway.websocket import WsTransport
+from aivedio.ingest.gateway import find_callback_endpoint
+from aivedio.ingest.http import CallbackServer
+
+DEFAULT_HEAD_TIMEOUT_S = 10.0
+DEFAULT_MAX_HEAD_BYTES = 8192
 
 
 class SniffingProtocol(asyncio.Protocol):
-    """Per connection: SSE requests to the gateway, everything else to uvicorn's protocol.
+    """Per connection: SSE requests to the gateway, callbacks to the callback server,
+    everything else to uvicorn's protocol.
 
     For a connection that carries ASGI requests the sniffer stays in front of uvicorn's protocol
     as a thin forwarder, because a browser reuses a keep-alive connection: after a snapshot
     request it may send the SSE request on the same socket. Between two requests (uvicorn's
     cycle complete, nothing buffered) the next head is sniffed again; an SSE request then
-    detaches uvicorn's protocol and the socket becomes an ``SseTransport``.
+    detaches uvicorn's protocol and the socket becomes an ``SseTransport``, a callback a
+    ``CallbackProtocol`` (which gives the socket back, through :meth:`take_back`, at the first
+    request that is not a callback). Either may be absent (``None``): a process with the
+    callbacks role and no gateway still serves callbacks on the lean path.
     """
 
-    gateway: Gateway
+    gateway: Gateway | None = None
+    callbacks: CallbackServer | None = None
     inner_class: type[asyncio.Protocol] = AutoHTTPProtocol
 
     def __init__(
@@ -62,7 +75,7 @@ class SniffingProtocol(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # A stream transport (uvloop's ``TCPTransport`` is one without subclassing asyncio's).
         self.transport = cast(asyncio.Transport, transport)
-        self.timer = self.loop.call_later(self.gateway.config.head_timeout_s, transport.close)
+        self._start_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
@@ -89,23 +102,40 @@ class SniffingProtocol(asyncio.Protocol):
             return
         self.buffer += data
         buffer = self.buffer
-        if not buffer.startswith(PREFIX[: len(buffer)]):
-            self._to_asgi()  # not a GET on /v1/projects/...: decided by the first bytes
+        gateway, callbacks = self.gateway, self.callbacks
+        if not (
+            (gateway is not None and buffer.startswith(PREFIX[: len(buffer)]))
+            or (callbacks is not None and buffer.startswith(callbacks.sniff[: len(buffer)]))
+        ):
+            self._to_asgi()  # neither the SSE nor the callback path: decided by the first bytes
             return
         line = request_line(buffer)
         if line is None:
-            if len(buffer) > self.gateway.config.max_head_bytes:
+            if len(buffer) > self._max_head_bytes():
                 self._to_asgi()
             return
-        if not is_events_target(line[1]):
+        if callbacks is not None and callbacks.wants(line):
+            self._to_callbacks()
+            return
+        if gateway is None or not is_events_target(line[1]):
             self._to_asgi()
             return
         end = buffer.find(b"\r\n\r\n")
         if end < 0:
-            if len(buffer) > self.gateway.config.max_head_bytes:
+            if len(buffer) > gateway.config.max_head_bytes:
                 self._reject_head()
             return
-        self._to_gateway(buffer[: end + 4], buffer[end + 4 :], is_ws_target(line[1]))
+        self._to_gateway(gateway, buffer[: end + 4], buffer[end + 4 :], is_ws_target(line[1]))
+
+    def _max_head_bytes(self) -> int:
+        gateway = self.gateway
+        return gateway.config.max_head_bytes if gateway is not None else DEFAULT_MAX_HEAD_BYTES
+
+    def _start_timer(self) -> None:
+        assert self.transport is not None
+        gateway = self.gateway
+        timeout = gateway.config.head_timeout_s if gateway is not None else DEFAULT_HEAD_TIMEOUT_S
+        self.timer = self.loop.call_later(timeout, self.transport.close)
 
     def _inner_idle(self) -> bool:
         """uvicorn's protocol is between requests: the next bytes start a new request."""
@@ -146,11 +176,31 @@ class SniffingProtocol(asyncio.Protocol):
             inner.timeout_keep_alive_task = None
         self.server_state.connections.discard(inner)
 
-    def _to_gateway(self, head: bytes, rest: bytes, websocket: bool) -> None:
+    def _to_callbacks(self) -> None:
         self._stop_timer()
         self._detach_inner()
         assert self.transport is not None
-        config = self.gateway.config
+        assert self.callbacks is not None
+        protocol = self.callbacks.connection(
+            self.transport, self.take_back, self.server_state.connections
+        )
+        self.transport.set_protocol(protocol)
+        buffer, self.buffer = self.buffer, b""
+        protocol.data_received(buffer)
+
+    def take_back(self, data: bytes) -> None:
+        """The callback protocol gives the connection back with the bytes of the next request,
+        which is not a callback: sniff it as the first request of a new connection."""
+        assert self.transport is not None
+        self.transport.set_protocol(self)
+        self._start_timer()
+        self.data_received(data)
+
+    def _to_gateway(self, gateway: Gateway, head: bytes, rest: bytes, websocket: bool) -> None:
+        self._stop_timer()
+        self._detach_inner()
+        assert self.transport is not None
+        config = gateway.config
         if config.socket_send_buffer is not None:
             sock = self.transport.get_extra_info("socket")
             if sock is not None:
@@ -170,7 +220,7 @@ class SniffingProtocol(asyncio.Protocol):
             stream = SseTransport(self.transport, config.write_high_water, config.write_low_water)
         self.transport.set_protocol(stream)
         self.buffer = b""
-        self.gateway.accept(stream, head)
+        gateway.accept(stream, head)
 
     def _reject_head(self) -> None:
         self._stop_timer()
@@ -181,9 +231,16 @@ class SniffingProtocol(asyncio.Protocol):
         self.transport.close()
 
 
-def protocol_class(gateway: Gateway) -> type[SniffingProtocol]:
-    """A ``SniffingProtocol`` bound to ``gateway``, to pass as ``uvicorn.Config(http=...)``."""
-    return type("GatewaySniffingProtocol", (SniffingProtocol,), {"gateway": gateway})
+def protocol_class(
+    gateway: Gateway | None, callbacks: CallbackServer | None = None
+) -> type[SniffingProtocol]:
+    """A ``SniffingProtocol`` bound to ``gateway`` and ``callbacks`` (either may be None), to
+    pass as ``uvicorn.Config(http=...)``."""
+    return type(
+        "GatewaySniffingProtocol",
+        (SniffingProtocol,),
+        {"gateway": gateway, "callbacks": callbacks},
+    )
 
 
 class QuietServer(uvicorn.Server):
@@ -194,28 +251,60 @@ class QuietServer(uvicorn.Server):
         yield
 
 
-def http_config(app: Any, host: str, port: int, gateway: Gateway | None) -> uvicorn.Config:
-    return uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        http=protocol_class(gateway) if gateway is not None else "auto",
-        lifespan="off",
-        access_log=False,
-        log_config=None,
-        timeout_graceful_shutdown=10,
-    )
+def callback_server(app: Any, keep_alive_s: float = 5.0) -> CallbackServer | None:
+    """The lean path for the callback endpoint mounted in ``app`` (``callback_routes``), if any:
+    the same endpoint, so the same providers, limits and inbox writer as the ASGI route."""
+    endpoint = find_callback_endpoint(app)
+    return CallbackServer(endpoint, keep_alive_s=keep_alive_s) if endpoint is not None else None
+
+
+def http_config(
+    app: Any,
+    host: str,
+    port: int,
+    gateway: Gateway | None,
+    callbacks: CallbackServer | None = None,
+    **options: Any,
+) -> uvicorn.Config:
+    """uvicorn's config for ``serve_http``; ``options`` add to or override its settings."""
+    sniffing = gateway is not None or callbacks is not None
+    settings: dict[str, Any] = {
+        "http": protocol_class(gateway, callbacks) if sniffing else "auto",
+        "lifespan": "off",
+        "access_log": False,
+        "log_config": None,
+        "timeout_graceful_shutdown": 10,
+    }
+    return uvicorn.Config(app, host=host, port=port, **(settings | options))
 
 
 async def serve_http(
-    app: Any, host: str, port: int, gateway: Gateway | None, stopping: asyncio.Event
+    app: Any,
+    host: str,
+    port: int,
+    gateway: Gateway | None,
+    stopping: asyncio.Event,
+    callbacks: CallbackServer | Literal["auto"] | None = "auto",
+    **options: Any,
 ) -> None:
-    """Serve ``app`` and the gateway's SSE path on one port until ``stopping`` is set.
+    """Serve ``app``, the gateway's SSE path and the lean callback path on one port until
+    ``stopping`` is set.
 
+    ``callbacks="auto"`` serves the callback endpoint mounted in ``app`` (by ``callback_routes``)
+    on the lean path, when there is one; ``None`` leaves every callback to the ASGI route.
+    ``options`` go to ``uvicorn.Config``.
     Starts the gateway's background work first; on stop, drains its streams (closing them with
-    ``shutdown``, spread over ``drain_s``) before uvicorn's own graceful shutdown.
+    ``shutdown``, spread over ``drain_s``) before uvicorn's own graceful shutdown (which also
+    lets callback connections answer what they read, then closes them).
     """
-    server = QuietServer(http_config(app, host, port, gateway))
+    if callbacks == "auto":
+        callbacks = callback_server(app, float(options.get("timeout_keep_alive", 5)))
+    server = QuietServer(http_config(app, host, port, gateway, callbacks, **options))
+    # Everything built so far (modules, the app, pools) lives as long as the process: out of the
+    # collector's sight (after one last collection), a full collection no longer walks it; it
+    # took ~70 ms with the app's modules loaded, a pause felt in the callbacks' P99.
+    gc.collect()
+    gc.freeze()
     if gateway is not None:
         await gateway.start()
     serving = asyncio.create_task(server.serve())

@@ -148,24 +148,38 @@ def _strip_url(value: str) -> str:
 
 
 def redact(value: Any, url_keys: frozenset[str] = frozenset()) -> Any:
-    """A copy of a JSON value with credentials redacted.
+    """A JSON value with credentials redacted; ``value`` itself when there is nothing to redact
+    (containers are copied only along the paths that change, never modified in place).
 
     Values under a :data:`SECRET_KEYS` key become ``"[redacted]"``; values under one of
     ``url_keys`` (temporary download links) become ``"[redacted]"`` too; any other string that is
     a URL loses its query, fragment and user info."""
+    if isinstance(value, str):
+        return _strip_url(value) if "://" in value and _URL.match(value) else value
     if isinstance(value, dict):
-        out: dict[str, Any] = {}
+        out: dict[str, Any] | None = None
         for key, item in value.items():
             lowered = key.lower()
-            if lowered in SECRET_KEYS or (lowered in url_keys and item is not None):
-                out[key] = REDACTED
+            if lowered in SECRET_KEYS or (item is not None and lowered in url_keys):
+                new = REDACTED
+            elif isinstance(item, str):  # inline: most values are strings without a URL
+                if "://" not in item or not _URL.match(item):
+                    continue
+                new = _strip_url(item)
+            elif isinstance(item, (dict, list)):
+                new = redact(item, url_keys)
             else:
-                out[key] = redact(item, url_keys)
-        return out
+                continue  # numbers, booleans, null: nothing to redact
+            if new is not item:
+                if out is None:
+                    out = dict(value)
+                out[key] = new
+        return value if out is None else out
     if isinstance(value, list):
-        return [redact(item, url_keys) for item in value]
-    if isinstance(value, str) and _URL.match(value):
-        return _strip_url(value)
+        items = [redact(item, url_keys) for item in value]
+        if all(new is old for new, old in zip(items, value, strict=True)):
+            return value
+        return items
     return value
 
 

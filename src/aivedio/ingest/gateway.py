@@ -1,7 +1,14 @@
 """The callback gateway: ``POST /v1/callbacks/{provider}``. Check, dedup key, INSERT, 204.
 
-The endpoint is a plain ASGI callable behind one Starlette ``Route`` (it reads the body itself,
-chunk by chunk). Each check has its own status and stores nothing; the first that fails answers:
+The checks live in :class:`CallbackEndpoint`, independent of any transport:
+:meth:`~CallbackEndpoint.begin` runs those that need only the request head (rows 1 to 5); the
+transport then reads the body within the provider's limit and ``read_timeout_s`` (rows 5 and 6,
+reported with :meth:`~CallbackEndpoint.abort`); :meth:`~CallbackEndpoint.finish` verifies, parses
+and stores it (rows 7 to 9). Each returns an :class:`Answer` (status, headers, body). Two
+transports use it: the lean HTTP/1.1 protocol of :mod:`aivedio.ingest.http` (the production path,
+on the shared port through the sniffer of :mod:`aivedio.gateway.server`), and the endpoint itself
+as a plain ASGI callable behind one Starlette ``Route`` (reading the body chunk by chunk). Each
+check has its own status and stores nothing; the first that fails answers:
 
 ====  ===========================  ======================================================
  #    status (``error.code``)      when
@@ -41,7 +48,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, NoReturn
@@ -73,13 +80,18 @@ from aivedio.logs import log, new_trace_id, trace_id_var
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
+    "NO_CONTENT",
+    "Answer",
     "CallbackConfig",
     "CallbackEndpoint",
     "CallbackProvider",
+    "CallbackRequest",
     "DedupInfo",
     "StandardWebhooksJson",
+    "callback_endpoint",
     "callback_routes",
     "fallback_dedup_key",
+    "find_callback_endpoint",
     "redact",
 ]
 
@@ -117,6 +129,42 @@ class CallbackConfig:
     max_json_depth: int = 64
 
 
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A response as plain data, for any transport to write.
+
+    ``headers`` are lower-cased names besides ``content-length`` (the transport adds it, and the
+    trace id header). ``close``: the transport must close the connection after this answer, as
+    the rest of the request was not read (413).
+    """
+
+    status: int
+    headers: tuple[tuple[str, str], ...] = ()
+    body: bytes = b""
+    close: bool = False
+
+
+NO_CONTENT = Answer(204)
+"""The answer to a callback that is stored (now, or before: a duplicate)."""
+
+
+@dataclass(slots=True)
+class CallbackRequest:
+    """A callback whose head passed rows 1 to 5: the transport now reads at most
+    :attr:`max_body_bytes` of body within ``read_timeout_s`` and hands it to
+    :meth:`CallbackEndpoint.finish`."""
+
+    provider: CallbackProvider
+    headers: dict[str, str]
+    """Lower-cased names, the first value of a repeated header."""
+    query: bytes
+    trace_id: str
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.provider.max_body_bytes
+
+
 class _Reject(Exception):
     """Control flow inside the endpoint: answer ``status`` and stop. Never escapes it."""
 
@@ -143,6 +191,17 @@ _MESSAGES = {
     503: "the service is temporarily unavailable; retry later",
 }
 
+_BAD_REQUEST = "the request is not valid HTTP/1.1"
+
+# What a transport reports on its own (status -> error code, metric reason).
+_REFUSALS = {
+    400: ("bad_request", "bad_request"),  # not HTTP/1.1 the parser accepts (lean path only)
+    408: ("request_timeout", "request_timeout"),
+    413: ("body_too_large", "body_too_large"),
+    431: ("headers_too_large", "headers_too_large"),  # a head past the transport's own cap
+    499: ("client_disconnected", "client_disconnected"),  # nothing is sent: nobody listens
+}
+
 
 def _reject_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not JSON")
@@ -157,6 +216,11 @@ def _finite(text: str) -> float:
     if not math.isfinite(value):  # 1e400 parses as inf, which jsonb cannot store
         raise _Unstorable("number out of range")
     return value
+
+
+# One decoder and one encoder, built once (``json.loads`` with hooks builds a decoder per call).
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite)
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 
 
 def _check_storable(payload: object, max_depth: int) -> None:
@@ -184,18 +248,47 @@ def _clean(value: str | None, limit: int = _MAX_TEXT_CHARS) -> str | None:
     """Text PostgreSQL accepts: no NUL, no lone surrogate, bounded."""
     if value is None:
         return None
+    if value.isascii() and "\x00" not in value:  # the common case, without a regex
+        return value[:limit] or None
     return _UNSTORABLE.sub("\ufffd", value)[:limit] or None
 
 
 def _key(value: str) -> str:
+    if value.isascii() and "\x00" not in value and 0 < len(value) <= _MAX_KEY_CHARS:
+        return value
     cleaned = _UNSTORABLE.sub("\ufffd", value)
     if cleaned != value or len(cleaned) > _MAX_KEY_CHARS or not cleaned:
         return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
     return cleaned
 
 
+def _error_answer(rejection: _Reject, trace_id: str) -> Answer:
+    body = json.dumps(
+        {
+            "error": {
+                "code": rejection.code,
+                "message": _BAD_REQUEST
+                if rejection.code == "bad_request"
+                else _MESSAGES.get(rejection.status, "rejected"),
+                "trace_id": trace_id,
+            }
+        }
+    ).encode()
+    return Answer(
+        rejection.status,
+        (("content-type", "application/json"), *rejection.headers.items()),
+        body,
+        # the rest of the request was not read: the connection cannot carry another one
+        close=rejection.status in _CLOSING,
+    )
+
+
+_CLOSING = frozenset({400, 408, 413, 431})
+
+
 class CallbackEndpoint:
-    """The ASGI app behind ``POST /v1/callbacks/{provider}`` (see the module docstring)."""
+    """``POST /v1/callbacks/{provider}`` (see the module docstring): the checks as methods any
+    transport calls, and the ASGI app (``__call__``) for a Starlette ``Route``."""
 
     def __init__(
         self,
@@ -209,85 +302,98 @@ class CallbackEndpoint:
         self.providers = dict(providers)
         self.inbox = inbox
         self.clock = clock
+        self._accepted: dict[tuple[str, str], Any] = {}  # metric children, looked up once
+        self._duplicates: dict[str, Any] = {}
+
+    # -- the transport-independent steps ------------------------------------------------------
+
+    def begin(
+        self,
+        provider_name: str,
+        method: str,
+        raw_headers: Sequence[tuple[bytes, bytes]],
+        query: bytes,
+        trace_id: str,
+    ) -> CallbackRequest | Answer:
+        """Rows 1 to 5 (413 by ``Content-Length``): a :class:`CallbackRequest` whose body the
+        transport reads next, or the :class:`Answer` that ends the request here."""
+        provider = self.providers.get(provider_name)
+        try:
+            if provider is None:
+                raise _Reject(404, "not_found", "unknown_provider")
+            return self._head(provider, method, raw_headers, query, trace_id)
+        except _Reject as rejection:
+            label = provider_name if provider is not None else "unknown"
+            return self._rejected(label, rejection, trace_id)
+
+    def abort(self, request: CallbackRequest, status: int) -> Answer:
+        """The transport stopped reading the body: 413 (the body passed
+        :attr:`CallbackRequest.max_body_bytes`), 408 (``read_timeout_s`` passed) or 499 (the
+        client went away; nothing can be sent, the answer is only for the record)."""
+        return self.refuse(request.provider.name, status, request.trace_id)
+
+    def refuse(self, provider_name: str, status: int, trace_id: str) -> Answer:
+        """A refusal the transport decided itself, counted and logged like the others: 400 (not
+        HTTP it can parse), 408, 413, 431 (a head past its cap) or 499 (see :meth:`abort`)."""
+        code, reason = _REFUSALS[status]
+        label = provider_name if provider_name in self.providers else "unknown"
+        return self._rejected(label, _Reject(status, code, reason), trace_id)
+
+    def runs_without_task(self, request: CallbackRequest) -> bool:
+        """Whether :meth:`finish` for ``request`` awaits nothing but asyncio futures: its
+        provider's verifier never suspends and the inbox writer awaits only its batch's future.
+        A transport may then drive the coroutine itself rather than create a task."""
+        return bool(
+            getattr(request.provider.verifier, "never_suspends", False)
+            and getattr(self.inbox, "submit_awaits_only_a_future", False)
+        )
+
+    async def finish(self, request: CallbackRequest, body: bytes) -> Answer:
+        """Rows 7 to 9: verify the raw ``body``, parse it, store it; 204 only after the commit."""
+        provider = request.provider
+        try:
+            await self._store_callback(request, body)
+        except _Reject as rejection:
+            return self._rejected(provider.name, rejection, request.trace_id)
+        return NO_CONTENT
+
+    async def handle(
+        self,
+        provider_name: str,
+        method: str,
+        raw_headers: Sequence[tuple[bytes, bytes]],
+        query: bytes,
+        body: bytes,
+        trace_id: str | None = None,
+    ) -> Answer:
+        """The whole table for a request whose body was read already (the limit still applies)."""
+        started = self.begin(provider_name, method, raw_headers, query, trace_id or new_trace_id())
+        if isinstance(started, Answer):
+            return started
+        if len(body) > started.max_body_bytes:
+            return self.abort(started, 413)
+        return await self.finish(started, body)
+
+    # -- the ASGI adapter ---------------------------------------------------------------------
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         trace_id = trace_id_var.get() or new_trace_id()
         name = str(scope.get("path_params", {}).get("provider", ""))
-        provider = self.providers.get(name)
-        label = name if provider is not None else "unknown"
-        try:
-            if provider is None:
-                raise _Reject(404, "not_found", "unknown_provider")
-            await self._handle(provider, scope, receive, trace_id)
-        except _Reject as rejection:
-            REJECTED.labels(label, rejection.reason).inc()
-            log(
-                logger,
-                logging.WARNING if rejection.status != 404 else logging.INFO,
-                "callback rejected",
-                provider=label,
-                reason=rejection.reason,
-                status=rejection.status,
-                trace_id=trace_id,
-            )
-            if rejection.reason != "client_disconnected":
-                await _send_error(send, rejection, trace_id)
-            return
-        await send({"type": "http.response.start", "status": 204, "headers": []})
-        await send({"type": "http.response.body", "body": b""})
-
-    async def _handle(
-        self, provider: CallbackProvider, scope: Scope, receive: Receive, trace_id: str
-    ) -> None:
-        cfg = self.config
-        if scope["method"] != "POST":
-            raise _Reject(405, "method_not_allowed", "method_not_allowed", allow="POST")
-        raw_headers: list[tuple[bytes, bytes]] = scope["headers"]
-        headers: dict[str, str] = {}
-        for raw_name, raw_value in raw_headers:
-            headers.setdefault(raw_name.decode("latin-1").lower(), raw_value.decode("latin-1"))
-        media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
-        if media_type != "application/json":
-            raise _Reject(415, "unsupported_media_type", "unsupported_media_type")
-        header_bytes = sum(len(k) + len(v) + 4 for k, v in raw_headers)
-        if len(raw_headers) > cfg.max_headers or header_bytes > cfg.max_header_bytes:
-            raise _Reject(431, "headers_too_large", "headers_too_large")
-        query: bytes = scope.get("query_string", b"")
-        if len(query) > cfg.max_query_bytes:
-            raise _Reject(414, "uri_too_long", "uri_too_long")
-        body = await self._read_body(provider.max_body_bytes, headers, receive)
-        token = dict(parse_qsl(query.decode("latin-1"))).get("token")
-        verified = await self._verify(provider, headers, body, token)
-        payload = self._parse(body)
-        payload_hash = hashlib.sha256(body).digest()
-        try:
-            info = provider.dedup(headers, payload, verified, payload_hash)
-            minimized = provider.minimize(payload)
-            payload_json = json.dumps(minimized, separators=(",", ":"), allow_nan=False)
-        except Exception as exc:  # an adapter bug: 500, the provider retries later
-            log(logger, logging.ERROR, "callback adapter failed", error=type(exc).__name__)
-            raise _Reject(500, "internal", "adapter_error") from None
-        row = self._row(provider.name, info, verified, payload_hash, payload_json, trace_id)
-        outcome = await self._store(row)
-        if outcome is Outcome.NEW:
-            ACCEPTED.labels(provider.name, verified.key_version or "").inc()
-        else:
-            DUPLICATES.labels(provider.name).inc()
-        log(
-            logger,
-            logging.DEBUG,
-            "callback stored",
-            provider=provider.name,
-            outcome=outcome.value,
-            dedup_key=row.dedup_key,
-            provider_task_id=row.provider_task_id,
-            trace_id=trace_id,
+        started = self.begin(
+            name, scope["method"], scope["headers"], scope.get("query_string", b""), trace_id
         )
+        if isinstance(started, Answer):
+            await _send_answer(send, started)
+            return
+        body = await self._receive_body(started, receive)
+        if isinstance(body, Answer):
+            if body.status != 499:  # nobody is listening
+                await _send_answer(send, body)
+            return
+        await _send_answer(send, await self.finish(started, body))
 
-    async def _read_body(self, limit: int, headers: Mapping[str, str], receive: Receive) -> bytes:
-        declared = headers.get("content-length")
-        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
-            raise _Reject(413, "body_too_large", "body_too_large")
+    async def _receive_body(self, request: CallbackRequest, receive: Receive) -> bytes | Answer:
+        limit = request.max_body_bytes
         chunks: list[bytes] = []
         size = 0
         try:
@@ -295,17 +401,114 @@ class CallbackEndpoint:
                 while True:
                     message = await receive()
                     if message["type"] == "http.disconnect":
-                        raise _Reject(499, "client_disconnected", "client_disconnected")
+                        return self.abort(request, 499)
                     chunk: bytes = message.get("body", b"")
                     size += len(chunk)
                     if size > limit:  # stop reading here; the rest is never pulled
-                        raise _Reject(413, "body_too_large", "body_too_large")
+                        return self.abort(request, 413)
                     chunks.append(chunk)
                     if not message.get("more_body", False):
                         break
         except TimeoutError:
-            raise _Reject(408, "request_timeout", "request_timeout") from None
+            return self.abort(request, 408)
         return b"".join(chunks)
+
+    # -- the checks ---------------------------------------------------------------------------
+
+    def _rejected(self, label: str, rejection: _Reject, trace_id: str) -> Answer:
+        REJECTED.labels(label, rejection.reason).inc()
+        log(
+            logger,
+            logging.WARNING if rejection.status != 404 else logging.INFO,
+            "callback rejected",
+            provider=label,
+            reason=rejection.reason,
+            status=rejection.status,
+            trace_id=trace_id,
+        )
+        return _error_answer(rejection, trace_id)
+
+    def _head(
+        self,
+        provider: CallbackProvider,
+        method: str,
+        raw_headers: Sequence[tuple[bytes, bytes]],
+        query: bytes,
+        trace_id: str,
+    ) -> CallbackRequest:
+        cfg = self.config
+        if method != "POST":
+            raise _Reject(405, "method_not_allowed", "method_not_allowed", allow="POST")
+        # the first value of a repeated header wins: built from the last to the first
+        headers = {
+            name.decode("latin-1").lower(): value.decode("latin-1")
+            for name, value in reversed(raw_headers)
+        }
+        header_bytes = sum(len(name) + len(value) for name, value in raw_headers)
+        header_bytes += 4 * len(raw_headers)
+        media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        if media_type != "application/json":
+            raise _Reject(415, "unsupported_media_type", "unsupported_media_type")
+        if len(raw_headers) > cfg.max_headers or header_bytes > cfg.max_header_bytes:
+            raise _Reject(431, "headers_too_large", "headers_too_large")
+        if len(query) > cfg.max_query_bytes:
+            raise _Reject(414, "uri_too_long", "uri_too_long")
+        declared = headers.get("content-length")
+        if (
+            declared is not None
+            and declared.strip().isdigit()
+            and int(declared) > provider.max_body_bytes
+        ):
+            raise _Reject(413, "body_too_large", "body_too_large")
+        return CallbackRequest(provider, headers, query, trace_id)
+
+    async def _store_callback(self, request: CallbackRequest, body: bytes) -> None:
+        provider, headers = request.provider, request.headers
+        token = (
+            dict(parse_qsl(request.query.decode("latin-1"))).get("token") if request.query else None
+        )
+        verified = await self._verify(provider, headers, body, token)
+        text, payload = self._parse(body)
+        payload_hash = hashlib.sha256(body).digest()
+        try:
+            info = provider.dedup(headers, payload, verified, payload_hash)
+            minimized = provider.minimize(payload)
+            # Nothing redacted or dropped: the body's own text is the minimized payload (the
+            # same jsonb value; numbers keep their exact digits). Equality is cheap here, as
+            # redaction shares every container it did not change.
+            payload_json = text if minimized == payload else _ENCODER.encode(minimized)
+        except Exception as exc:  # an adapter bug: 500, the provider retries later
+            log(logger, logging.ERROR, "callback adapter failed", error=type(exc).__name__)
+            raise _Reject(500, "internal", "adapter_error") from None
+        row = self._row(provider.name, info, verified, payload_hash, payload_json, request.trace_id)
+        outcome = await self._store(row)
+        if outcome is Outcome.NEW:
+            self._count_accepted(provider.name, verified.key_version or "")
+        else:
+            self._count_duplicate(provider.name)
+        if logger.isEnabledFor(logging.DEBUG):
+            log(
+                logger,
+                logging.DEBUG,
+                "callback stored",
+                provider=provider.name,
+                outcome=outcome.value,
+                dedup_key=row.dedup_key,
+                provider_task_id=row.provider_task_id,
+                trace_id=request.trace_id,
+            )
+
+    def _count_accepted(self, provider: str, key_version: str) -> None:
+        child = self._accepted.get((provider, key_version))
+        if child is None:
+            child = self._accepted[provider, key_version] = ACCEPTED.labels(provider, key_version)
+        child.inc()
+
+    def _count_duplicate(self, provider: str) -> None:
+        child = self._duplicates.get(provider)
+        if child is None:
+            child = self._duplicates[provider] = DUPLICATES.labels(provider)
+        child.inc()
 
     async def _verify(
         self,
@@ -324,13 +527,13 @@ class CallbackEndpoint:
                 ) from None
             raise _Reject(401, "unauthorized", exc.reason.value) from None
 
-    def _parse(self, body: bytes) -> dict[str, Any]:
+    def _parse(self, body: bytes) -> tuple[str, dict[str, Any]]:
         try:
             text = body.decode("utf-8")
         except UnicodeDecodeError:
             raise _Reject(400, "invalid_encoding", "invalid_encoding") from None
         try:
-            payload = json.loads(text, parse_constant=_reject_constant, parse_float=_finite)
+            payload = _DECODER.decode(text)
         except _Unstorable:
             raise _Reject(422, "invalid_payload", "invalid_payload") from None
         except (ValueError, RecursionError):
@@ -344,7 +547,7 @@ class CallbackEndpoint:
                 _check_storable(payload, self.config.max_json_depth)
             except ValueError:
                 raise _Reject(422, "invalid_payload", "invalid_payload") from None
-        return payload
+        return text, payload
 
     def _row(
         self,
@@ -386,25 +589,28 @@ class CallbackEndpoint:
             raise _Reject(500, "internal", "store_failed") from None
 
 
-async def _send_error(send: Send, rejection: _Reject, trace_id: str) -> None:
-    body = json.dumps(
-        {
-            "error": {
-                "code": rejection.code,
-                "message": _MESSAGES.get(rejection.status, "rejected"),
-                "trace_id": trace_id,
-            }
-        }
-    ).encode()
-    headers = [
-        (b"content-type", b"application/json"),
-        (b"content-length", str(len(body)).encode()),
-        *((k.encode(), v.encode()) for k, v in rejection.headers.items()),
-    ]
-    if rejection.status == 413:  # the rest of the body was not read: do not reuse the connection
+async def _send_answer(send: Send, answer: Answer) -> None:
+    headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers]
+    if answer.status != 204:
+        headers.append((b"content-length", str(len(answer.body)).encode()))
+    if answer.close:
         headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": rejection.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": "http.response.start", "status": answer.status, "headers": headers})
+    await send({"type": "http.response.body", "body": answer.body})
+
+
+def callback_endpoint(
+    config: CallbackConfig,
+    providers: Mapping[str, CallbackProvider],
+    inbox: InboxWriter,
+    *,
+    clock: Callable[[], float] = time.time,
+) -> CallbackEndpoint:
+    """The endpoint for ``providers`` (each registered under its own name)."""
+    for key, provider in providers.items():
+        if key != provider.name:
+            raise ValueError(f"provider registered as {key!r} is named {provider.name!r}")
+    return CallbackEndpoint(config, providers, inbox, clock=clock)
 
 
 def callback_routes(
@@ -416,9 +622,20 @@ def callback_routes(
 ) -> list[BaseRoute]:
     """The gateway's routes for ``create_app(..., extra_routes=...)``. ``inbox`` must be started
     (``inbox.start()``) before the first request and closed (``await inbox.close()``) at shutdown.
+
+    Served by :func:`aivedio.gateway.server.serve_http`, the route's endpoint is found in the app
+    and ``POST`` requests to it take the lean HTTP/1.1 path (:mod:`aivedio.ingest.http`); the
+    route itself answers any other transport (ASGI test clients, other servers).
     """
-    for key, provider in providers.items():
-        if key != provider.name:
-            raise ValueError(f"provider registered as {key!r} is named {provider.name!r}")
-    endpoint = CallbackEndpoint(config, providers, inbox, clock=clock)
+    endpoint = callback_endpoint(config, providers, inbox, clock=clock)
     return [Route(config.path, endpoint=endpoint, name="callbacks")]
+
+
+def find_callback_endpoint(app: object) -> CallbackEndpoint | None:
+    """The :class:`CallbackEndpoint` mounted in a Starlette ``app`` by :func:`callback_routes`,
+    if any (looked up once, when a server starts)."""
+    for route in getattr(app, "routes", ()):
+        endpoint = getattr(route, "endpoint", None)
+        if isinstance(endpoint, CallbackEndpoint):
+            return endpoint
+    return None
