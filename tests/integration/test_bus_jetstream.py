@@ -208,3 +208,39 @@ async def test_server_restart_reports_unavailable_then_recovers(own_nats: _Serve
             await d.ack()
     finally:
         await bus.close()
+
+
+async def test_fetch_returns_what_is_there_at_once_and_keeps_late_deliveries(
+    jetstream_factory: tuple[BusConfig, BusFactory],
+) -> None:
+    """One pull request per fetch: the server sends what it has and ends the request, so a
+    fetch for many does not wait for the batch to fill; messages delivered to a fetch the caller
+    gave up on are handed out by the next fetch, not lost until the ack wait."""
+    _, factory = jetstream_factory
+    bus = await factory()
+    consumer = await bus.subscribe("fetch.now", "g1")
+    for i in range(3):
+        await bus.publish("fetch.now", "k", f"d{i}", b"%d" % i)
+    started = time.monotonic()
+    got = await consumer.fetch(100, timeout=5.0)
+    assert [d.data for d in got] == [b"0", b"1", b"2"]
+    assert time.monotonic() - started < 2.0  # not the 5 s expiry
+    for d in got:
+        await d.ack()
+
+    # A long-poll that is cancelled while waiting; the message published meanwhile reaches this
+    # consumer and is returned by the next fetch (delivered once: deliveries == 1).
+    waiting = asyncio.create_task(consumer.fetch(10, timeout=2.0))
+    await asyncio.sleep(0.2)
+    waiting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await waiting
+    await bus.publish("fetch.now", "k", "d3", b"3")
+    late: list[bytes] = []
+    deadline = time.monotonic() + 5
+    while not late and time.monotonic() < deadline:
+        for d in await consumer.fetch(10, timeout=0.5):
+            assert d.deliveries == 1
+            late.append(d.data)
+            await d.ack()
+    assert late == [b"3"]

@@ -74,6 +74,7 @@ class Options:
     projects: int = 32
     workers: int = 32  # concurrent applies in the latency phase, split over the writers
     writers: int = 4  # writer processes in the latency phase
+    probe: int = 100  # single events, one at a time, before the steady load
     timeout: float = 120.0
 
     def check(self) -> None:
@@ -410,6 +411,7 @@ async def _latency(
         cpu: dict[str, float] = {}
         async with _pipeline(_specs(url, bus, redis_url, prefix, opts)[-2:], cpu):
             await asyncio.sleep(1.0)  # the creations' events drain first
+            single = await _probe(url, counted, opts.probe)
             given, lag, seconds = await _writers(url, settings, attempts, opts, acked, cpu)
             committed = dict.fromkeys(acked, 0.0)
             deadline = time.perf_counter() + 10
@@ -460,7 +462,14 @@ async def _latency(
         f"  p99 {percentile(from_ack, 99):.2f} ms (a lower bound: the writer's loop lags)",
         flush=True,
     )
-    print(f"  latency CPU: {_cpu_line(cpu, len(committed))}", flush=True)
+    if single:
+        print(
+            f"  single events (one at a time, every 20 ms): commit -> Redis subscriber "
+            f"p50 {percentile(single, 50):.2f} ms  p90 {percentile(single, 90):.2f} ms  "
+            f"p99 {percentile(single, 99):.2f} ms",
+            flush=True,
+        )
+    print(f"  latency CPU (whole phase): {_cpu_line(cpu, len(committed))}", flush=True)
     return {
         "p50_ms": rounded(p50),
         "p99_ms": rounded(p99),
@@ -468,10 +477,46 @@ async def _latency(
         "latency_rate_per_s": rounded(len(committed) / seconds, 1),
         "latency_missing": lost,
         "latency_writers": opts.writers,
+        "single_p50_ms": rounded(percentile(single, 50)) if single else None,
+        "single_p99_ms": rounded(percentile(single, 99)) if single else None,
         "latency_cpu_us_per_event": {
             k: rounded(v / max(len(committed), 1) * 1e6, 1) for k, v in cpu.items()
         },
     }
+
+
+ONE = """
+INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_version, event_type, payload)
+VALUES ('task', $1, $2::int, 'task.status.changed', jsonb_build_object(
+    'event_type', 'task.status.changed', 'aggregate_id', $1::uuid, 'aggregate_version', $2::int,
+    'project_id', $1::uuid, 'epoch', 1, 'event_id', $2::int, 'status', 'running',
+    'public', jsonb_build_object('task_id', $1::uuid, 'task_version', $2::int,
+                                 'status', 'generating', 'progress', $2::int)))
+"""
+
+
+async def _probe(url: str, counted: Counted, n: int) -> list[float]:
+    """The path's own latency: ``n`` outbox rows committed one at a time (20 ms apart), each
+    timed from its COMMIT returning in this otherwise idle process to the subscriber."""
+    if n <= 0:
+        return []
+    conn = await asyncpg.connect(url)
+    out: list[float] = []
+    try:
+        task = uuid.uuid4()
+        for version in range(1, n + 1):
+            await conn.execute(ONE, task, version)
+            committed = time.time()
+            key = (str(task), version)
+            deadline = committed + 5
+            while key not in counted.first and time.time() < deadline:  # noqa: ASYNC110
+                await asyncio.sleep(0.0002)
+            if key in counted.first:
+                out.append((counted.first[key] - committed) * 1000)
+            await asyncio.sleep(0.02)
+    finally:
+        await conn.close()
+    return out
 
 
 async def _make_tasks(db: Database, state: StateService, opts: Options) -> list[uuid.UUID]:
