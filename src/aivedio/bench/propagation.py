@@ -75,6 +75,7 @@ class Options:
     workers: int = 32  # concurrent applies in the latency phase, split over the writers
     writers: int = 4  # writer processes in the latency phase
     probe: int = 100  # single events, one at a time, before the steady load
+    latency_relays: int = 1  # relay processes in the latency phase
     timeout: float = 120.0
 
     def check(self) -> None:
@@ -409,7 +410,9 @@ async def _latency(
         committed: dict[tuple[str, int], float] = {}
         acked: dict[tuple[str, int], float] = {}  # when apply() returned in the writer
         cpu: dict[str, float] = {}
-        async with _pipeline(_specs(url, bus, redis_url, prefix, opts)[-2:], cpu):
+        async with _pipeline(
+            _specs(url, bus, redis_url, prefix, replace(opts, relays=opts.latency_relays)), cpu
+        ):
             await asyncio.sleep(1.0)  # the creations' events drain first
             single = await _probe(url, counted, opts.probe)
             given, lag, seconds = await _writers(url, settings, attempts, opts, acked, cpu)
