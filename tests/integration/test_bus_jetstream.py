@@ -19,6 +19,7 @@ import pytest
 
 from aivedio.bus import Bus, BusConfig, BusUnavailable, OutgoingMessage, PublishAck
 from aivedio.bus.jetstream import JetStreamBus
+from aivedio.bus.jetstream_pipeline import PullFetcher
 from tests.contract.bus_contract import BusContract, BusFactory, contract_config
 
 
@@ -244,3 +245,34 @@ async def test_fetch_returns_what_is_there_at_once_and_keeps_late_deliveries(
             late.append(d.data)
             await d.ack()
     assert late == [b"3"]
+
+
+async def test_fetch_long_polls_when_the_server_answers_no_wait_at_once(
+    jetstream_factory: tuple[BusConfig, BusFactory], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that ignores ``expires`` on a no-wait request answers 404 at once when empty
+    (simulated by dropping ``expires``): the fetch then long-polls instead of returning, so an
+    idle consumer does not spin."""
+    real = PullFetcher._request
+
+    async def old_server(self: PullFetcher, request: dict[str, object]) -> str:
+        if request.get("no_wait"):
+            request = {k: v for k, v in request.items() if k != "expires"}
+        return await real(self, request)
+
+    monkeypatch.setattr(PullFetcher, "_request", old_server)
+    _, factory = jetstream_factory
+    bus = await factory()
+    consumer = await bus.subscribe("fetch.old", "g1")
+
+    async def later() -> None:
+        await asyncio.sleep(0.4)
+        await bus.publish("fetch.old", "k", "d1", b"late")
+
+    publisher = asyncio.create_task(later())
+    started = time.monotonic()
+    got = await consumer.fetch(10, timeout=3.0)
+    await publisher
+    assert [d.data for d in got] == [b"late"]
+    assert 0.3 < time.monotonic() - started < 2.5
+    await got[0].ack()

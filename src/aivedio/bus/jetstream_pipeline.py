@@ -202,6 +202,7 @@ class PullFetcher:
         self._requests = itertools.count(1)
         self._current = ""  # reply token of the request a fetch is waiting on
         self._ended = ""  # the last request the server ended (status message)
+        self._ended_status = ""  # and its status code
         self._waiter: asyncio.Future[None] | None = None
 
     async def start(self) -> None:
@@ -223,7 +224,7 @@ class PullFetcher:
         if not msg.reply:  # a status: 408 request ended, 404 no messages, 409 ..., 100 heartbeat
             status = (msg.headers or {}).get("Status", "")
             if status != "100" and msg.subject.endswith("." + self._current):
-                self._ended = self._current
+                self._ended, self._ended_status = self._current, status
                 self._wake()
             return
         self._buffer.append(msg)
@@ -242,32 +243,57 @@ class PullFetcher:
         if self._buffer:
             return self._take(batch)
         loop = asyncio.get_running_loop()
-        token = str(next(self._requests))
-        self._current = token
-        request = {"batch": batch, "expires": int(timeout * 1e9), "no_wait": True}
-        await self._nc.publish(
-            self._next_subject, json.dumps(request).encode(), reply=f"{self._inbox}.{token}"
-        )
         # The server ends the request itself; this margin only covers a lost connection.
         deadline = loop.time() + timeout + 0.25 + 0.1 * timeout
+        request: dict[str, object] = {
+            "batch": batch,
+            "expires": int(timeout * 1e9),
+            "no_wait": True,
+        }
+        token = await self._request(request)
         try:
-            while len(self._buffer) < batch and self._ended != token:
-                now = loop.time()
-                if now >= deadline:
-                    break
-                wait = deadline - now
-                if self._buffer:
-                    wait = min(wait, self.LINGER_S)
-                waiter = self._waiter = loop.create_future()
-                timer = loop.call_later(wait, self._wake)
-                try:
-                    had = len(self._buffer)
-                    await waiter
-                finally:
-                    timer.cancel()
-                if had and len(self._buffer) == had and self._ended != token:
-                    break  # lingered with nothing new: an old server keeps the request open
+            await self._collect(token, batch, deadline)
+            # A server that answers no_wait at once when empty (ignoring expires) would make an
+            # idle caller spin: long-poll without no_wait for the rest of the timeout.
+            left = deadline - loop.time() - 0.25
+            if (
+                not self._buffer
+                and self._ended == token
+                and self._ended_status == "404"
+                and left > 0.01
+            ):
+                retry: dict[str, object] = {"batch": batch, "expires": int(left * 1e9)}
+                await self._collect(await self._request(retry), batch, deadline)
         finally:
             self._waiter = None
             self._current = ""
         return self._take(batch)
+
+    async def _request(self, request: dict[str, object]) -> str:
+        token = str(next(self._requests))
+        self._current = token
+        await self._nc.publish(
+            self._next_subject, json.dumps(request).encode(), reply=f"{self._inbox}.{token}"
+        )
+        return token
+
+    async def _collect(self, token: str, batch: int, deadline: float) -> None:
+        """Wait until the batch is full, the server ended request ``token``, ``deadline``, or
+        ``LINGER_S`` passed without a new message once there is one."""
+        loop = asyncio.get_running_loop()
+        while len(self._buffer) < batch and self._ended != token:
+            now = loop.time()
+            if now >= deadline:
+                return
+            wait = deadline - now
+            if self._buffer:
+                wait = min(wait, self.LINGER_S)
+            waiter = self._waiter = loop.create_future()
+            timer = loop.call_later(wait, self._wake)
+            try:
+                had = len(self._buffer)
+                await waiter
+            finally:
+                timer.cancel()
+            if had and len(self._buffer) == had and self._ended != token:
+                return  # lingered with nothing new: an old server keeps the request open
