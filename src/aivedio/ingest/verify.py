@@ -147,7 +147,8 @@ def check_id(value: str) -> None:
 
 
 def parse_timestamp(value: str) -> int:
-    if not _TIMESTAMP.fullmatch(value):
+    # 1 to 12 ASCII digits (isascii: str.isdigit alone also takes other scripts' digits)
+    if not (0 < len(value) <= 12 and value.isascii() and value.isdigit()):
         raise VerificationError(Reason.MALFORMED_HEADER)
     return int(value)
 
@@ -212,7 +213,8 @@ def _v1_signatures(header: str) -> list[bytes]:
             continue
         saw_v1 = True
         try:
-            raw = base64.b64decode(value, validate=True)
+            # strict: only the base64 alphabet, padding only at the end (C, no regex)
+            raw = binascii.a2b_base64(value, strict_mode=True)
         except (binascii.Error, ValueError):
             continue
         if len(raw) == _SHA256_BYTES:
