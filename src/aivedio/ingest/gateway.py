@@ -446,7 +446,7 @@ class CallbackEndpoint:
         }
         header_bytes = sum(len(name) + len(value) for name, value in raw_headers)
         header_bytes += 4 * len(raw_headers)
-        media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
+        media_type = headers.get("content-type", "").partition(";")[0].strip().lower()
         if media_type != "application/json":
             raise _Reject(415, "unsupported_media_type", "unsupported_media_type")
         if len(raw_headers) > cfg.max_headers or header_bytes > cfg.max_header_bytes:

@@ -32,9 +32,10 @@ after a line feed).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import random
 import re
+import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Coroutine
@@ -76,11 +77,18 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LINGER_S = 2.0
 _LINGER_BYTES = 1 << 20
 _HEAD_SLACK = 1024  # the request line and the blank lines, beyond the header and query limits
-_trace_ids = random.Random()  # trace ids are correlation ids, not secrets: no syscall per request
+_trace_prefix = secrets.token_hex(8)
+_trace_counter = itertools.count()
 
 
 def _new_trace_id() -> str:
-    return f"trc_{_trace_ids.getrandbits(96):024x}"
+    """``trc_`` + 24 hex digits, like ``aivedio.logs.new_trace_id``: a random prefix per process
+    and a counter (a trace id correlates, it is no secret; no syscall per request)."""
+    global _trace_prefix
+    n = next(_trace_counter) & 0xFFFFFFFF
+    if n == 0xFFFFFFFF:  # the counter wraps: a new prefix keeps ids unique
+        _trace_prefix = secrets.token_hex(8)
+    return f"trc_{_trace_prefix}{n:08x}"
 
 
 class CallbackServer:
