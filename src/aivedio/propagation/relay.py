@@ -49,6 +49,7 @@ logger = logging.getLogger("aivedio.relay")
 
 NOTIFY_CHANNEL = "aivedio_outbox"
 IDLE_LOCK = 0x4F555442  # "OUTB"; the same number is in migration 0003's trigger
+VACUUM_LOCK = 0x4F555456  # "OUTV": one relay vacuums at a time
 
 BACKLOG = Gauge("aivedio_outbox_backlog", "Outbox rows waiting to be published (pending)")
 OLDEST_AGE = Gauge(
@@ -112,6 +113,9 @@ class RelayConfig:
     # by another claim after busy_poll_s instead of the NOTIFY sleep (see ``run``).
     busy_window_s: float = 0.05
     busy_poll_s: float = 0.002
+    # VACUUM (ANALYZE) the outbox once a backlog of at least this many rows has been published
+    # by this relay and drained (0: never; autovacuum only). See ``_vacuum``.
+    vacuum_after_rows: int = 10_000
     stats_interval_s: float = 5.0  # backlog gauges
     topics: Mapping[str, str] = field(
         default_factory=lambda: {"task.status.changed": "task.status"}
@@ -152,6 +156,8 @@ class OutboxRelay:
         self._listener: asyncpg.Connection | None = None
         self._busy_rechecks = 0  # re-checks that saw work another relay then held
         self._unlocking: asyncio.Future[str] | None = None  # the idle lock's release, in flight
+        self._since_vacuum = 0  # rows this relay published since its last vacuum
+        self._vacuuming: asyncio.Task[None] | None = None
 
     # -- one round ---------------------------------------------------------------------------
 
@@ -290,6 +296,9 @@ class OutboxRelay:
                     log(logger, logging.WARNING, "outbox relay round failed", error=repr(exc))
                     await _wait(stopping, min(cfg.poll_interval_s, 0.1 * 2**failures))
                     continue
+                self._since_vacuum += result.published
+                if result.claimed < cfg.batch_size:
+                    self._maybe_vacuum()
                 if result.claimed:
                     self._busy_rechecks = 0
                     if result.broker_down:
@@ -303,8 +312,49 @@ class OutboxRelay:
                 await self._sleep(stopping)
         finally:
             stats.cancel()
-            await asyncio.gather(stats, return_exceptions=True)
+            if self._vacuuming is not None:
+                self._vacuuming.cancel()
+            await asyncio.gather(stats, *filter(None, [self._vacuuming]), return_exceptions=True)
             await self._drop_listener()
+
+    def _maybe_vacuum(self) -> None:
+        cfg = self.config
+        if (
+            cfg.vacuum_after_rows > 0
+            and self._since_vacuum >= cfg.vacuum_after_rows
+            and (self._vacuuming is None or self._vacuuming.done())
+        ):
+            self._since_vacuum = 0
+            self._vacuuming = asyncio.create_task(self._vacuum())
+
+    async def _vacuum(self) -> None:
+        """VACUUM (ANALYZE) the outbox after a drained backlog, in the background.
+
+        Marking rows published leaves their entries in the partial indexes on pending rows until
+        a vacuum, and they sit at the low ids where every claim and ``outbox_has_work`` starts
+        scanning: after 50,000 rows, each claim cost ~2-3 ms instead of ~0.1 ms (and planned
+        for 50,000 pending rows) until autovacuum came by, up to a minute later; the bench's
+        one-at-a-time events took p50 22 ms instead of 5 ms. VACUUM takes a lock that lets
+        writers and other relays go on; one relay at a time (an advisory lock), and a relay that
+        may not vacuum (not the table's owner) logs it and carries on.
+        """
+        try:
+            async with self.db.connection() as conn:
+                if not await conn.fetchval("SELECT pg_try_advisory_lock($1)", VACUUM_LOCK):
+                    return
+                try:
+                    started = time.perf_counter()
+                    await conn.execute("VACUUM (ANALYZE) outbox_events")
+                    log(
+                        logger,
+                        logging.INFO,
+                        "outbox vacuumed after a drained backlog",
+                        seconds=round(time.perf_counter() - started, 3),
+                    )
+                finally:
+                    await conn.execute("SELECT pg_advisory_unlock($1)", VACUUM_LOCK)
+        except DB_ERRORS as exc:
+            log(logger, logging.WARNING, "outbox vacuum failed", error=repr(exc))
 
     async def _poll_while_busy(self, stopping: asyncio.Event, until: float) -> None:
         """Return once a claimable row shows up, or at ``until``."""

@@ -1,0 +1,68 @@
+"""The relay vacuums the outbox once it has drained a backlog (dead entries of published rows
+sit where every claim starts scanning)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from aivedio.bus import Bus, BusConfig
+from aivedio.bus.jetstream import JetStreamBus
+from aivedio.db.pool import Database
+from aivedio.propagation.relay import OutboxRelay, RelayConfig
+from aivedio.state.service import StateService
+from tests.integration.helpers import make_project, make_task, store
+from tests.integration.propagation import (
+    advance,
+    bus_config,
+    delete_streams,
+    outbox_counts,
+    running,
+    wait_until,
+)
+
+
+@pytest.fixture
+async def bus(nats_url: str) -> AsyncIterator[Bus]:
+    cfg: BusConfig = bus_config(nats_url)
+    b = await JetStreamBus.connect(cfg)
+    yield b
+    await b.close()
+    await delete_streams(nats_url, cfg)
+
+
+async def vacuums(db: Database) -> int:
+    async with db.connection() as conn:
+        await conn.execute("SELECT pg_stat_clear_snapshot()")
+        count: int = await conn.fetchval(
+            "SELECT vacuum_count FROM pg_stat_user_tables WHERE relname = 'outbox_events'"
+        )
+    return count
+
+
+async def test_relay_vacuums_after_a_drained_backlog_only(db: Database, bus: Bus) -> None:
+    state = StateService(db)
+    project = await make_project(db)
+    attempts = [(await make_task(store(db, state), project))[1] for _ in range(4)]
+    await advance(state, attempts, 2)  # 12 rows
+    before = await vacuums(db)
+    relay = OutboxRelay(db, bus, RelayConfig(vacuum_after_rows=10, batch_size=5))
+    async with running(relay.run):
+
+        async def drained_and_vacuumed() -> bool:
+            return (await outbox_counts(db)) == {"published": 12} and await vacuums(db) > before
+
+        await wait_until(drained_and_vacuumed, 20, "the backlog drained and vacuumed")
+    after = await vacuums(db)
+
+    # Below the threshold: no vacuum.
+    quiet = OutboxRelay(db, bus, RelayConfig(vacuum_after_rows=100))
+    await advance(state, attempts, 1, start=3)
+    async with running(quiet.run):
+
+        async def published() -> bool:
+            return (await outbox_counts(db)) == {"published": 16}
+
+        await wait_until(published, 20, "the new rows published")
+    assert await vacuums(db) == after
