@@ -305,6 +305,13 @@ async def serve_http(
     # took ~70 ms with the app's modules loaded, a pause felt in the callbacks' P99.
     gc.collect()
     gc.freeze()
+    try:
+        await _serve(server, gateway, stopping)
+    finally:
+        gc.unfreeze()  # what was frozen may become garbage now (a process that serves again)
+
+
+async def _serve(server: QuietServer, gateway: Gateway | None, stopping: asyncio.Event) -> None:
     if gateway is not None:
         await gateway.start()
     serving = asyncio.create_task(server.serve())
