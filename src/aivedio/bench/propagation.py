@@ -236,14 +236,14 @@ class ChildSpec:
     batch: int
 
 
-def _child(spec: ChildSpec, ready: Any, stop: Any, cpu: Any) -> None:
+def _child(spec: ChildSpec, ready: Any, go: Any, stop: Any, cpu: Any) -> None:
     """One pipeline process, on uvloop like ``aivedio run``; reports its CPU seconds."""
     import uvloop
 
-    uvloop.run(_child_main(spec, ready, stop, cpu))
+    uvloop.run(_child_main(spec, ready, go, stop, cpu))
 
 
-async def _child_main(spec: ChildSpec, ready: Any, stop: Any, cpu: Any) -> None:
+async def _child_main(spec: ChildSpec, ready: Any, go: Any, stop: Any, cpu: Any) -> None:
     from aivedio.bus.jetstream import JetStreamBus
 
     db = await Database.connect(
@@ -258,8 +258,12 @@ async def _child_main(spec: ChildSpec, ready: Any, stop: Any, cpu: Any) -> None:
     loops += [
         NotificationDispatcher(bus, client, dispatch_cfg).run for _ in range(spec.dispatchers)
     ]
-    jobs = [asyncio.create_task(loop(stopping)) for loop in loops]
     ready.set()
+    # Nobody starts before everybody is connected: the clock starts at ``go``, so a relay that
+    # came up first cannot drain part of the backlog off the clock.
+    while not go.is_set():  # noqa: ASYNC110 - a multiprocessing event, not an asyncio one
+        await asyncio.sleep(0.001)
+    jobs = [asyncio.create_task(loop(stopping)) for loop in loops]
     started = time.process_time()
     while not stop.is_set():  # noqa: ASYNC110 - a multiprocessing event, not an asyncio one
         await asyncio.sleep(0.05)
@@ -276,12 +280,13 @@ async def _pipeline(specs: list[ChildSpec], cpu: dict[str, float] | None = None)
     """Run the children for the block; ``cpu`` gets their CPU seconds by role once they end."""
     ctx = multiprocessing.get_context("spawn")
     stop = ctx.Event()
+    go = ctx.Event()
     children = []
     used = []
     for spec in specs:
         ready = ctx.Event()
         seconds = ctx.Value("d", 0.0)
-        proc = ctx.Process(target=_child, args=(spec, ready, stop, seconds), daemon=True)
+        proc = ctx.Process(target=_child, args=(spec, ready, go, stop, seconds), daemon=True)
         proc.start()
         children.append((proc, ready))
         used.append(("relay" if spec.relays else "dispatcher", seconds))
@@ -291,6 +296,7 @@ async def _pipeline(specs: list[ChildSpec], cpu: dict[str, float] | None = None)
                 if not proc.is_alive():
                     raise RuntimeError("a pipeline process failed to start")
                 await asyncio.sleep(0.02)
+        go.set()
         yield
     finally:
         stop.set()
