@@ -272,8 +272,10 @@ class JetStreamBus:
             in_flight += 1
             future.add_done_callback(settled)
             futures.append((i, future))
-        if futures:
-            await asyncio.wait([f for _, f in futures])
+        if in_flight:  # one wake-up when the last ack is in (no asyncio.wait callbacks)
+            low = 0
+            drained.clear()
+            await drained.wait()
         for i, future in futures:
             error = future.exception() if not future.cancelled() else BusClosed("cancelled")
             if error is None:

@@ -18,6 +18,8 @@ from nats.aio.subscription import Subscription
 
 from aivedio.bus.port import BusClosed, BusError, BusUnavailable, PublishAck
 
+_decode = json.JSONDecoder().decode  # on str: json.loads(bytes) sniffs the encoding each time
+
 __all__ = ["NATS_ERRORS", "UNAVAILABLE", "AckPipeline", "Edge", "PullFetcher", "num_delivered"]
 
 UNAVAILABLE: tuple[type[BaseException], ...] = (
@@ -145,7 +147,7 @@ class AckPipeline:
             future.set_exception(BusUnavailable("no JetStream stream answered the publish"))
             return
         try:
-            resp = json.loads(msg.data)
+            resp = _decode(msg.data.decode())
             if "error" in resp:
                 err = resp["error"]
                 kind = BusUnavailable if err.get("code") == 503 else BusError
