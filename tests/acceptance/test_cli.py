@@ -151,17 +151,20 @@ def read_events_until_ready(url: str, headers: dict[str, str], task_id: list[str
     raise AssertionError("the stream ended before the task was ready")
 
 
+@pytest.mark.parametrize("fanout", ["broadcast", "node"])
 def test_demo_runs_a_task_from_create_to_ready_on_the_stream(
-    env: dict[str, str], started: list[subprocess.Popen[str]], tmp_path: Path
+    env: dict[str, str], started: list[subprocess.Popen[str]], tmp_path: Path, fanout: str
 ) -> None:
     """The whole chain in the demo process: API -> submitter -> sandbox provider -> webhook ->
-    inbox -> state -> outbox -> JetStream -> dispatcher -> Redis -> SSE, media and billing."""
+    inbox -> state -> outbox -> JetStream -> dispatcher -> Redis -> SSE, media and billing; with
+    the dispatcher broadcasting, and with node-directed fan-out (AIVEDIO_FANOUT=node)."""
     import threading
 
     port, sandbox_port = free_port(), free_port()
     demo_env = env | {
         "AIVEDIO_PORT": str(port),
         "AIVEDIO_SANDBOX_URL": f"http://127.0.0.1:{sandbox_port}",
+        "AIVEDIO_FANOUT": fanout,
     }
     log_path = tmp_path / "demo.log"
     with log_path.open("w") as log_file:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import random
@@ -41,7 +42,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, cast
 
@@ -65,6 +66,7 @@ __all__ = [
     "new_node_id",
     "node_channel",
     "node_dispatcher_role",
+    "node_router",
     "routes_changed_channel",
     "routes_key",
 ]
@@ -506,6 +508,25 @@ class NodeRouter:
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
 
 
+@contextlib.asynccontextmanager
+async def node_router(
+    client: Redis, stopping: asyncio.Event, config: RouterConfig
+) -> AsyncIterator[NodeRouter]:
+    """A running :class:`NodeRouter` (for ``dispatcher_role(router=...)``): started, given up to
+    ``ready_timeout_s`` for its first full read (unrouted events are repaired anyway), stopped
+    when the dispatcher stops."""
+    router = NodeRouter(client, config)
+    routing = asyncio.create_task(router.run(stopping))
+    try:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(router.ready.wait(), config.ready_timeout_s)
+        yield router
+    finally:
+        routing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await routing
+
+
 async def node_dispatcher_role(
     rt: Runtime,
     *,
@@ -514,34 +535,12 @@ async def node_dispatcher_role(
 ) -> RoleParts:
     """The ``dispatcher`` role with node-directed fan-out (``AIVEDIO_FANOUT=node``)."""
     from aivedio.bus import BusConfig
-    from aivedio.propagation.dispatcher import (
-        DispatcherConfig,
-        NotificationDispatcher,
-        redis_client,
-    )
-    from aivedio.propagation.roles import connect_bus
-    from aivedio.roles import RoleParts
+    from aivedio.propagation.dispatcher import DispatcherConfig
+    from aivedio.propagation.roles import dispatcher_role
 
     bus_cfg = BusConfig(url=rt.urls.nats_url)
     cfg = config or DispatcherConfig(max_deliver=bus_cfg.max_deliver)
     rcfg = router_config or RouterConfig(prefix=cfg.channel_prefix)
-
-    async def loop(stopping: asyncio.Event) -> None:
-        bus = await connect_bus(bus_cfg, stopping)
-        if bus is None:
-            return
-        client = redis_client(rt.urls.redis_url, cfg)
-        router = NodeRouter(client, rcfg)
-        routing = asyncio.create_task(router.run(stopping))
-        try:
-            with contextlib.suppress(TimeoutError):  # unrouted events are repaired anyway
-                await asyncio.wait_for(router.ready.wait(), rcfg.ready_timeout_s)
-            await NotificationDispatcher(bus, client, cfg, router=router).run(stopping)
-        finally:
-            routing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await routing
-            await client.aclose()
-            await bus.close()
-
-    return RoleParts(loops=[loop])
+    return await dispatcher_role(
+        rt, bus_config=bus_cfg, config=cfg, router=functools.partial(node_router, config=rcfg)
+    )

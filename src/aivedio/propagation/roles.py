@@ -8,15 +8,24 @@ fails its process because NATS or Redis is down at start.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from aivedio.bus import Bus, BusConfig, BusUnavailable
 from aivedio.logs import log
-from aivedio.propagation.dispatcher import DispatcherConfig, NotificationDispatcher, redis_client
+from aivedio.propagation.dispatcher import (
+    DispatcherConfig,
+    NotificationDispatcher,
+    Router,
+    redis_client,
+)
 from aivedio.propagation.relay import OutboxRelay, RelayConfig
 
 if TYPE_CHECKING:
+    import redis.asyncio as aioredis
+
     from aivedio.roles import RoleParts
     from aivedio.runtime import Runtime
 
@@ -67,12 +76,20 @@ async def relay_role(
     return RoleParts(loops=[loop])
 
 
+RouterFactory = Callable[
+    ["aioredis.Redis", asyncio.Event], contextlib.AbstractAsyncContextManager[Router]
+]
+"""Makes the dispatcher's router on its Redis client and keeps it running while in use."""
+
+
 async def dispatcher_role(
     rt: Runtime,
     *,
     bus_config: BusConfig | None = None,
     config: DispatcherConfig | None = None,
+    router: RouterFactory | None = None,
 ) -> RoleParts:
+    """The ``dispatcher`` role: broadcast fan-out, or the routes ``router`` makes (node mode)."""
     from aivedio.roles import RoleParts
 
     bus_cfg = bus_config or BusConfig(url=rt.urls.nats_url)
@@ -84,7 +101,9 @@ async def dispatcher_role(
             return
         client = redis_client(rt.urls.redis_url, cfg)
         try:
-            await NotificationDispatcher(bus, client, cfg).run(stopping)
+            routing = router(client, stopping) if router else contextlib.nullcontext(None)
+            async with routing as routes:
+                await NotificationDispatcher(bus, client, cfg, router=routes).run(stopping)
         finally:
             await client.aclose()
             await bus.close()
