@@ -233,3 +233,28 @@ async def test_expire_processed_payloads_keeps_rows_and_drops_old_payloads(db: D
         "old-dead": {"a": 1},
         "pending": {"a": 1},
     }
+
+
+async def test_a_batch_stuck_on_a_lock_does_not_hold_up_the_next_one(db: Database) -> None:
+    """max_inflight=2: while one batch waits (here on a row another transaction is inserting),
+    the next batch commits and its callers get their answers."""
+    writer = InboxWriter(db, GroupCommitConfig(max_inflight=2, linger_s=0.01))
+    writer.start()
+    async with db.connection() as blocker:
+        tx = blocker.transaction()
+        await tx.start()
+        await blocker.execute(
+            """INSERT INTO provider_callback_inbox (provider, dedup_key, payload_hash)
+               VALUES ('sandbox', 'locked', '\\x00')"""
+        )
+        try:
+            stuck = asyncio.create_task(writer.submit(row("locked")))
+            await asyncio.sleep(0.2)  # its batch is in flight, waiting on the unique index
+            assert not stuck.done()
+            assert await asyncio.wait_for(writer.submit(row("free")), 5) is Outcome.NEW
+            assert not stuck.done()
+        finally:
+            await tx.commit()
+        assert await asyncio.wait_for(stuck, 5) is Outcome.DUPLICATE  # the blocker's row won
+    await writer.close()
+    assert await count_rows(db) == 2

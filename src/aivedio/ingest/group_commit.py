@@ -7,6 +7,9 @@ more when the batch is not full), and inserts them all with ONE statement::
     INSERT INTO provider_callback_inbox (...) SELECT * FROM unnest($1::text[], ...)
     ON CONFLICT (provider, dedup_key) DO NOTHING RETURNING provider, dedup_key
 
+Up to ``max_inflight`` batches are in flight at once, each on its own pool connection, so the next
+batch does not wait for the previous one's WAL flush (the queue behind a slow commit keeps moving).
+
 The statement runs outside an explicit transaction, so it is committed (``synchronous_commit`` as
 configured on the server, ``on`` by default: flushed to the WAL) when it returns. Only then is each
 waiter's future resolved with its own :class:`Outcome`: ``NEW`` when its key came back from
@@ -127,6 +130,10 @@ class GroupCommitConfig:
     """Most rows waiting; beyond it ``submit`` raises :class:`InboxFull`."""
     drain_timeout_s: float = 10.0
     """How long ``close`` lets the flusher commit what is queued."""
+    max_inflight: int = 2
+    """Batches being inserted at once, each on its own pool connection: the next batch does not
+    wait for the previous one's commit (WAL flush), so a slow commit delays one batch, not the
+    queue behind it. 1: one batch after the other."""
 
 
 _COLUMNS = (
@@ -291,30 +298,52 @@ class InboxWriter:
     # -- the flusher ------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        while True:
-            if not self._queue:
-                if self._closing:
-                    return
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            if len(self._queue) < self.config.max_batch and not self._closing:
-                self._full.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._full.wait(), self.config.linger_s)
-            batch = [
-                self._queue.popleft() for _ in range(min(len(self._queue), self.config.max_batch))
-            ]
-            try:
-                await self._flush(batch)
-            except asyncio.CancelledError:
-                for waiter in batch:
-                    _settle(waiter, InboxClosed("the inbox writer was stopped"))
-                raise
-            except Exception as exc:  # never let the flusher die; fail this batch only
-                log(logger, logging.ERROR, "inbox batch failed", error=type(exc).__name__)
-                for waiter in batch:
-                    _settle(waiter, InboxError("the callback could not be stored"))
+        slots = asyncio.Semaphore(max(1, self.config.max_inflight))
+        inflight: set[asyncio.Task[None]] = set()
+
+        def finished(task: asyncio.Task[None]) -> None:
+            inflight.discard(task)
+            slots.release()
+
+        try:
+            while True:
+                if not self._queue:
+                    if self._closing:
+                        break
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                if len(self._queue) < self.config.max_batch and not self._closing:
+                    self._full.clear()
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._full.wait(), self.config.linger_s)
+                await slots.acquire()  # a batch in flight is done; rows queue meanwhile
+                count = min(len(self._queue), self.config.max_batch)
+                batch = [self._queue.popleft() for _ in range(count)]
+                task = asyncio.get_running_loop().create_task(self._flush_batch(batch))
+                inflight.add(task)
+                task.add_done_callback(finished)
+            if inflight:
+                await asyncio.gather(*inflight)
+        except asyncio.CancelledError:
+            for task in list(inflight):
+                task.cancel()
+            await asyncio.gather(*inflight, return_exceptions=True)
+            raise
+
+    async def _flush_batch(self, batch: list[_Waiter]) -> None:
+        """Insert one batch and settle its waiters, whatever happens (never raises but for
+        cancellation, which settles them as closed)."""
+        try:
+            await self._flush(batch)
+        except asyncio.CancelledError:
+            for waiter in batch:
+                _settle(waiter, InboxClosed("the inbox writer was stopped"))
+            raise
+        except Exception as exc:  # never let the flusher die; fail this batch only
+            log(logger, logging.ERROR, "inbox batch failed", error=type(exc).__name__)
+            for waiter in batch:
+                _settle(waiter, InboxError("the callback could not be stored"))
 
     async def _flush(self, batch: list[_Waiter]) -> None:
         # First occurrence of each key is inserted; later ones in the batch are duplicates.
