@@ -35,6 +35,7 @@ from aivedio.bus.jetstream_pipeline import (
     AckPipeline,
     Edge,
     PullFetcher,
+    RawWriter,
     num_delivered,
 )
 from aivedio.bus.port import (
@@ -86,6 +87,7 @@ class JetStreamBus:
         self._nc = nc
         self._js: JetStreamContext = nc.jetstream(timeout=cfg.request_timeout_s)
         self._pipeline = AckPipeline(nc, cfg.publish_timeout_s)
+        self._raw = RawWriter(nc)  # acks: one pre-encoded frame each
         self._closed = False
         self._edge = Edge(lambda: self._closed)
         self._consumers: list[JetStreamConsumer] = []
@@ -458,9 +460,16 @@ class JetStreamDelivery:
             raise BusClosed("the bus is closed")
 
     async def ack(self) -> None:
+        """What ``Msg.ack`` sends (an empty message to the reply subject), as one raw frame."""
         self._check()
+        msg = self._msg
         try:  # the hot path: no context manager per message
-            await self._msg.ack()
+            if msg._ackd:
+                raise nats.errors.MsgAlreadyAckdError(msg)
+            if not msg.reply:
+                raise nats.errors.Error("no reply subject available")
+            await self._consumer._bus._raw.write(f"PUB {msg.reply} 0\r\n\r\n".encode())
+            msg._ackd = True
         except NATS_ERRORS as exc:
             raise self._consumer._bus._edge.translate(exc, "ack") from exc
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections import OrderedDict
@@ -31,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import redis.asyncio as aioredis
 import redis.exceptions
 from prometheus_client import Counter, Histogram
@@ -109,8 +109,8 @@ def parse_event(data: bytes) -> RoutedEvent | None:
     """The routed event of a ``task.status.changed`` outbox payload; ``None`` for another event
     type; raises :class:`Malformed` for anything unreadable."""
     try:
-        body = _decode(data.decode())
-    except (ValueError, UnicodeDecodeError) as exc:
+        body = orjson.loads(data)  # the bytes as they came from the bus; invalid UTF-8 included
+    except orjson.JSONDecodeError as exc:
         raise Malformed(f"not JSON: {exc}") from None
     if not isinstance(body, dict):
         raise Malformed("not a JSON object")
@@ -121,13 +121,14 @@ def parse_event(data: bytes) -> RoutedEvent | None:
         if not isinstance(public, dict):
             raise Malformed("public is not an object")
         seq = _int(body["event_id"])
+        public["event_id"] = seq  # a dict of its own, parsed just now: no copy
         return RoutedEvent(
             project_id=str(body["project_id"]),
             epoch=_int(body["epoch"]),
             seq=seq,
             task_id=str(body["aggregate_id"]),
             task_version=_int(body["aggregate_version"]),
-            public={**public, "event_id": seq},
+            public=public,
         )
     except KeyError as exc:
         raise Malformed(f"missing field {exc}") from None
@@ -139,13 +140,9 @@ def _int(value: object) -> int:
     return value
 
 
-# Built once: ``json.dumps`` with arguments builds an encoder per call.
-_decode = json.JSONDecoder().decode
-_encode = json.JSONEncoder(separators=(",", ":")).encode
-
-
 def routed_message(event: RoutedEvent) -> bytes:
-    return _encode(
+    """The Redis message of one event (orjson: compact, UTF-8, ~20x the stdlib encoder)."""
+    return orjson.dumps(
         {
             "type": "task.status",
             "project_id": event.project_id,
@@ -155,7 +152,7 @@ def routed_message(event: RoutedEvent) -> bytes:
             "task_version": event.task_version,
             "public": event.public,
         }
-    ).encode()
+    )
 
 
 class VersionFilter:
