@@ -32,10 +32,12 @@ from nats.js.client import JetStreamContext
 
 from aivedio.bus.jetstream_pipeline import (
     NATS_ERRORS,
+    AckBatch,
     AckPipeline,
     Edge,
     PullFetcher,
     RawWriter,
+    fast_headers,
     num_delivered,
 )
 from aivedio.bus.port import (
@@ -144,6 +146,7 @@ class JetStreamBus:
         except (TimeoutError, OSError, nats.errors.Error) as exc:
             await _close_quietly(nc)
             raise BusUnavailable(f"cannot connect to NATS at {cfg.url}: {exc!r}") from exc
+        fast_headers(nc)
         bus = cls(cfg, nc)
         try:
             await bus._pipeline.start()
@@ -244,48 +247,28 @@ class JetStreamBus:
         """Sends in input order with up to ``max_in_flight`` unacked; when the window is full it
         waits until half of it has drained (one wake-up per half window, not per message)."""
         self._check_open()
-        results: list[PublishAck | BusError | ValueError | None] = [None] * len(messages)
+        batch = AckBatch(len(messages))
+        results = batch.results
         high = max(1, self._cfg.max_in_flight)
         low = high // 2
-        in_flight = 0
-        drained = asyncio.Event()
-
-        def settled(_: asyncio.Future[PublishAck]) -> None:
-            nonlocal in_flight
-            in_flight -= 1
-            if in_flight <= low:
-                drained.set()
-
-        futures: list[tuple[int, asyncio.Future[PublishAck]]] = []
         for i, m in enumerate(messages):
             try:
                 subject, hdrs = self._encode(m.topic, m.key, m.dedup_id, m.headers)
             except ValueError as exc:
                 results[i] = exc
                 continue
-            if in_flight >= high:
-                drained.clear()
-                await drained.wait()  # every future settles within publish_timeout_s
-            try:
-                future = await self._send(subject, m.payload, hdrs)
+            if batch.in_flight >= high:
+                await batch.drained(low)  # every message settles within publish_timeout_s
+            try:  # the hot path: no context manager per message
+                self._check_open()
+                if self._nc.is_closed:
+                    raise BusUnavailable("NATS connection is closed")
+                await self._pipeline.send_to(batch, i, subject, m.payload, hdrs)
+            except NATS_ERRORS as exc:
+                results[i] = self._edge.translate(exc, "publish")
             except BusError as exc:
                 results[i] = exc
-                continue
-            in_flight += 1
-            future.add_done_callback(settled)
-            futures.append((i, future))
-        if in_flight:  # one wake-up when the last ack is in (no asyncio.wait callbacks)
-            low = 0
-            drained.clear()
-            await drained.wait()
-        for i, future in futures:
-            error = future.exception() if not future.cancelled() else BusClosed("cancelled")
-            if error is None:
-                results[i] = future.result()
-            elif isinstance(error, BusError):
-                results[i] = error
-            else:
-                results[i] = BusError(f"publish failed: {error!r}")
+        await batch.drained(0)  # one wake-up when the last ack is in
         return [r if r is not None else BusError("not published") for r in results]
 
     # -- consuming -------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import re
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping
@@ -19,15 +20,22 @@ from nats.aio.subscription import Subscription
 
 from aivedio.bus.port import BusClosed, BusError, BusUnavailable, PublishAck
 
+Handler = Callable[[Msg], None]
+
 __all__ = [
     "NATS_ERRORS",
     "UNAVAILABLE",
+    "AckBatch",
     "AckPipeline",
     "Edge",
     "PullFetcher",
     "RawWriter",
+    "fast_headers",
     "num_delivered",
+    "subscribe_direct",
 ]
+
+log = logging.getLogger("aivedio.bus.jetstream")
 
 UNAVAILABLE: tuple[type[BaseException], ...] = (
     TimeoutError,  # nats.errors.TimeoutError and asyncio's are subclasses
@@ -134,6 +142,84 @@ class RawWriter:
         )
 
 
+_OWS = " \t\n\r\x0b\x0c"  # what bytes.strip() strips
+_SPACE = re.compile(r"\s")
+
+
+def _header_lines(raw: bytes, slow: Callable[[bytes], dict[str, str]]) -> dict[str, str]:
+    """``Client._parse_header_lines`` for ASCII header blocks, ~3x faster (no generator per
+    header name); anything else goes to nats-py's own parser. Same result: lines split on the
+    first ``:``, name and value stripped like ``bytes.strip``, names with blanks skipped."""
+    text = raw.decode("ascii", "replace")
+    if "\ufffd" in text:
+        return slow(raw)
+    out: dict[str, str] = {}
+    for line in text.split("\r\n"):
+        name, sep, value = line.partition(":")
+        if not sep:
+            continue
+        key = name.strip(_OWS)
+        if _SPACE.search(key) is None:
+            out[key] = value.strip(_OWS)
+    return out
+
+
+def fast_headers(nc: NatsClient) -> None:
+    """Give ``nc`` the faster header parser (every delivery carries two or more headers)."""
+    slow = getattr(type(nc), "_parse_header_lines", None)
+    if callable(slow):
+        nc._parse_header_lines = lambda raw: _header_lines(raw, slow)  # type: ignore[method-assign]
+
+
+class _Direct:
+    """Stands in for a subscription's pending queue: nats-py's reader hands each message to
+    ``put_nowait``, which calls the handler at once (no queue, no task switch per message).
+    Handlers are plain functions that only file the message away."""
+
+    __slots__ = ("_handler", "_sub")
+
+    def __init__(self, handler: Handler, sub: Subscription) -> None:
+        self._handler = handler
+        self._sub = sub
+
+    def put_nowait(self, msg: Msg) -> None:
+        self._sub._pending_size = 0  # nothing is pending: no slow-consumer drops
+        try:
+            self._handler(msg)
+        except Exception:  # an error must not reach (and reset) nats-py's read loop
+            log.exception("NATS message handler failed")
+
+    def qsize(self) -> int:
+        return 0
+
+    def empty(self) -> bool:
+        return True
+
+    def task_done(self) -> None:
+        return None
+
+    async def join(self) -> None:
+        return None
+
+
+async def subscribe_direct(nc: NatsClient, subject: str, handler: Handler) -> Subscription:
+    """Subscribe with ``handler`` called from the read loop (see :class:`_Direct`); with a
+    nats-py whose subscription internals differ, a plain callback subscription instead."""
+    sub = await nc.subscribe(subject)
+    queue = getattr(sub, "_pending_queue", None)
+    if isinstance(queue, asyncio.Queue) and isinstance(getattr(sub, "_pending_size", None), int):
+        sub._pending_queue = _Direct(handler, sub)  # type: ignore[assignment]
+        while not queue.empty():  # nothing can be there yet; to be sure
+            handler(queue.get_nowait())
+        return sub
+    await sub.unsubscribe()
+
+    async def callback(msg: Msg) -> None:
+        handler(msg)
+
+    return await nc.subscribe(subject, cb=callback)
+
+
 class AckPipeline:
     """Pipelined JetStream publishing on core NATS: publish with a reply subject under one
     wildcard inbox, resolve a future per message when the PubAck arrives.
@@ -151,7 +237,8 @@ class AckPipeline:
         self._timeout_s = timeout_s
         self._prefix = ""
         self._tokens = itertools.count()
-        self._pending: dict[str, asyncio.Future[PublishAck]] = {}
+        # token -> the future of one publish, or (batch, index) of a publish_many message
+        self._pending: dict[str, asyncio.Future[PublishAck] | tuple[AckBatch, int]] = {}
         # Deadlines in send order (the timeout is constant, so they are sorted): one timer
         # sweeps them, instead of one timer per message.
         self._deadlines: deque[tuple[float, str]] = deque()
@@ -159,83 +246,156 @@ class AckPipeline:
 
     async def start(self) -> None:
         self._prefix = self._nc.new_inbox()
-        await self._nc.subscribe(self._prefix + ".*", cb=self._on_reply)
+        await subscribe_direct(self._nc, self._prefix + ".*", self._on_reply)
 
     async def send(
         self, subject: str, payload: bytes, headers: dict[str, str]
     ) -> asyncio.Future[PublishAck]:
         """Publish; the returned future settles within ``timeout_s``. Raises nats errors."""
-        loop = asyncio.get_running_loop()
+        future: asyncio.Future[PublishAck] = asyncio.get_running_loop().create_future()
+        try:
+            await self._publish(future, subject, payload, headers)
+        except BaseException:
+            future.cancel()
+            raise
+        return future
+
+    async def send_to(
+        self, batch: AckBatch, index: int, subject: str, payload: bytes, headers: dict[str, str]
+    ) -> None:
+        """Publish; ``batch`` gets the result at ``index`` within ``timeout_s`` (no future and
+        no callback per message). Raises nats errors (then nothing is in flight for it)."""
+        batch.in_flight += 1
+        try:
+            await self._publish((batch, index), subject, payload, headers)
+        except BaseException:
+            batch.in_flight -= 1
+            raise
+
+    async def _publish(
+        self,
+        entry: asyncio.Future[PublishAck] | tuple[AckBatch, int],
+        subject: str,
+        payload: bytes,
+        headers: dict[str, str],
+    ) -> None:
         token = str(next(self._tokens))
-        future: asyncio.Future[PublishAck] = loop.create_future()
-        self._pending[token] = future
+        reply = f"{self._prefix}.{token}"
+        frame = self._raw.hpub(subject, reply, payload, headers)
+        self._pending[token] = entry
+        loop = asyncio.get_running_loop()
         deadline = loop.time() + self._timeout_s
         self._deadlines.append((deadline, token))
         if self._sweeper is None:
             self._sweeper = loop.call_at(deadline, self._sweep)
-        reply = f"{self._prefix}.{token}"
         try:
-            frame = self._raw.hpub(subject, reply, payload, headers)
             if frame is not None:
                 await self._raw.write(frame)
             else:
                 await self._nc.publish(subject, payload, reply=reply, headers=headers)
         except BaseException:
             self._pending.pop(token, None)
-            future.cancel()
             raise
-        return future
+
+    @staticmethod
+    def _resolve(
+        entry: asyncio.Future[PublishAck] | tuple[AckBatch, int], result: PublishAck | BusError
+    ) -> None:
+        if isinstance(entry, tuple):
+            batch, index = entry
+            batch.settle(index, result)
+        elif not entry.done():
+            if isinstance(result, BusError):
+                entry.set_exception(result)
+            else:
+                entry.set_result(result)
 
     def _sweep(self) -> None:
         loop = asyncio.get_running_loop()
         now = loop.time()
         while self._deadlines and self._deadlines[0][0] <= now:
             _, token = self._deadlines.popleft()
-            future = self._pending.pop(token, None)
-            if future is not None and not future.done():
+            entry = self._pending.pop(token, None)
+            if entry is not None:
                 state = "connected" if self._nc.is_connected else "not connected"
-                future.set_exception(
-                    BusUnavailable(f"no JetStream ack within {self._timeout_s}s (NATS {state})")
+                self._resolve(
+                    entry,
+                    BusUnavailable(f"no JetStream ack within {self._timeout_s}s (NATS {state})"),
                 )
         self._sweeper = (
             loop.call_at(self._deadlines[0][0], self._sweep) if self._deadlines else None
         )
 
     def fail_all(self, exc: BusError) -> None:
-        for future in list(self._pending.values()):
-            if not future.done():
-                future.set_exception(exc)
+        pending = list(self._pending.values())
         self._pending.clear()
         self._deadlines.clear()
         if self._sweeper is not None:
             self._sweeper.cancel()
             self._sweeper = None
+        for entry in pending:
+            self._resolve(entry, exc)
 
-    async def _on_reply(self, msg: Msg) -> None:
-        future = self._pending.pop(msg.subject[len(self._prefix) + 1 :], None)
-        if future is None or future.done():
+    def _on_reply(self, msg: Msg) -> None:
+        entry = self._pending.pop(msg.subject[len(self._prefix) + 1 :], None)
+        if entry is None:
             return
-        if msg.headers and msg.headers.get("Status") == "503":
-            # No responders: no stream listens on the subject (JetStream restarting / stream
-            # deleted). Transient from the caller's point of view.
-            future.set_exception(BusUnavailable("no JetStream stream answered the publish"))
+        self._resolve(entry, _pub_ack(msg))
+
+
+def _pub_ack(msg: Msg) -> PublishAck | BusError:
+    if msg.headers and msg.headers.get("Status") == "503":
+        # No responders: no stream listens on the subject (JetStream restarting / stream
+        # deleted). Transient from the caller's point of view.
+        return BusUnavailable("no JetStream stream answered the publish")
+    try:
+        resp = orjson.loads(msg.data)
+        if "error" in resp:
+            err = resp["error"]
+            kind = BusUnavailable if err.get("code") == 503 else BusError
+            return kind(f"JetStream rejected the publish: {err}")
+        return PublishAck(
+            stream=str(resp["stream"]),
+            sequence=int(resp["seq"]),
+            duplicate=bool(resp.get("duplicate", False)),
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        return BusError(f"unreadable JetStream PubAck: {exc}")
+
+
+class AckBatch:
+    """The results of one ``publish_many``: filled in by the pipeline as acks (or errors, or
+    timeouts) arrive; the publisher waits for the in-flight count to drop to a mark (one
+    wake-up per wait, not per message)."""
+
+    __slots__ = ("_low", "_waiter", "in_flight", "results")
+
+    def __init__(self, size: int) -> None:
+        self.results: list[PublishAck | BusError | ValueError | None] = [None] * size
+        self.in_flight = 0
+        self._low = 0
+        self._waiter: asyncio.Future[None] | None = None
+
+    def settle(self, index: int, result: PublishAck | BusError) -> None:
+        if self.results[index] is not None:
             return
+        self.results[index] = result
+        self.in_flight -= 1
+        waiter = self._waiter
+        if waiter is not None and self.in_flight <= self._low and not waiter.done():
+            waiter.set_result(None)
+
+    async def drained(self, low: int) -> None:
+        """Return once at most ``low`` messages are in flight (each settles within the
+        pipeline's timeout)."""
+        if self.in_flight <= low:
+            return
+        self._low = low
+        self._waiter = asyncio.get_running_loop().create_future()
         try:
-            resp = orjson.loads(msg.data)
-            if "error" in resp:
-                err = resp["error"]
-                kind = BusUnavailable if err.get("code") == 503 else BusError
-                future.set_exception(kind(f"JetStream rejected the publish: {err}"))
-                return
-            future.set_result(
-                PublishAck(
-                    stream=str(resp["stream"]),
-                    sequence=int(resp["seq"]),
-                    duplicate=bool(resp.get("duplicate", False)),
-                )
-            )
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            future.set_exception(BusError(f"unreadable JetStream PubAck: {exc}"))
+            await self._waiter
+        finally:
+            self._waiter = None
 
 
 def num_delivered(reply: str) -> int:
@@ -283,7 +443,7 @@ class PullFetcher:
 
     async def start(self) -> None:
         self._inbox = self._nc.new_inbox()
-        self._sub = await self._nc.subscribe(self._inbox + ".*", cb=self._on_msg)
+        self._sub = await subscribe_direct(self._nc, self._inbox + ".*", self._on_msg)
 
     async def stop(self) -> None:
         sub, self._sub = self._sub, None
@@ -296,7 +456,7 @@ class PullFetcher:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    async def _on_msg(self, msg: Msg) -> None:
+    def _on_msg(self, msg: Msg) -> None:
         if not msg.reply:  # a status: 408 request ended, 404 no messages, 409 ..., 100 heartbeat
             status = (msg.headers or {}).get("Status", "")
             if status != "100" and msg.subject.endswith("." + self._current):
