@@ -35,6 +35,7 @@ from aivedio.bus.jetstream_pipeline import (
     AckBatch,
     AckPipeline,
     Edge,
+    Pulled,
     PullFetcher,
     RawWriter,
     fast_headers,
@@ -70,6 +71,7 @@ H_REASON = "Aivedio-Reason"
 H_DEAD_AT = "Aivedio-Dead-At"
 H_ORIGIN_SEQ = "Aivedio-Origin-Seq"
 H_ONLY_GROUP = "Aivedio-Only-Group"  # a replayed dead letter is for this group only
+B_ONLY_GROUP = H_ONLY_GROUP.encode()
 
 # JetStream API error codes we act on.
 ERR_STREAM_NAME_IN_USE = 10058  # "stream name already in use with a different configuration"
@@ -407,7 +409,9 @@ class JetStreamBus:
 class JetStreamDelivery:
     __slots__ = ("_consumer", "_deliveries", "_msg", "_topic")
 
-    def __init__(self, consumer: JetStreamConsumer, msg: Msg, topic: str, deliveries: int) -> None:
+    def __init__(
+        self, consumer: JetStreamConsumer, msg: Pulled, topic: str, deliveries: int
+    ) -> None:
         self._consumer = consumer
         self._msg = msg
         self._topic = topic
@@ -447,28 +451,32 @@ class JetStreamDelivery:
         self._check()
         msg = self._msg
         try:  # the hot path: no context manager per message
-            if msg._ackd:
+            if msg.acked:
                 raise nats.errors.MsgAlreadyAckdError(msg)
             if not msg.reply:
                 raise nats.errors.Error("no reply subject available")
             await self._consumer._bus._raw.write(f"PUB {msg.reply} 0\r\n\r\n".encode())
-            msg._ackd = True
+            msg.acked = True
         except NATS_ERRORS as exc:
             raise self._consumer._bus._edge.translate(exc, "ack") from exc
 
     async def nak(self, delay_s: float = 0.0) -> None:
         self._check()
+        msg = self._msg.msg()
         with self._consumer._bus._edge("nak"):
-            await self._msg.nak(delay=delay_s if delay_s > 0 else None)
+            await msg.nak(delay=delay_s if delay_s > 0 else None)
+        self._msg.acked = msg._ackd
 
     async def in_progress(self) -> None:
         self._check()
         with self._consumer._bus._edge("in_progress"):
-            await self._msg.in_progress()
+            await self._msg.msg().in_progress()
 
     async def term(self, reason: str = "terminated") -> None:
         self._check()
-        await self._consumer._bus._dead_letter(self._msg, self._consumer.group, self.topic, reason)
+        msg = self._msg.msg()
+        await self._consumer._bus._dead_letter(msg, self._consumer.group, self.topic, reason)
+        self._msg.acked = msg._ackd
 
 
 class JetStreamConsumer:
@@ -510,14 +518,15 @@ class JetStreamConsumer:
         out: list[Delivery] = []
         max_deliver = self._bus._cfg.max_deliver
         for msg in msgs:
-            only = None if msg.headers is None else msg.headers.get(H_ONLY_GROUP)
-            if only is not None and only != self._group:
-                with self._bus._edge("ack another group's replay"):
-                    await msg.ack()
-                continue
+            if msg.has_header(B_ONLY_GROUP):  # headers parsed only then
+                only = (msg.headers or {}).get(H_ONLY_GROUP)
+                if only is not None and only != self._group:
+                    with self._bus._edge("ack another group's replay"):
+                        await msg.msg().ack()
+                    continue
             n = num_delivered(msg.reply)
             if n > max_deliver:
-                await self._dead_letter_due(msg)
+                await self._dead_letter_due(msg.msg())
                 continue
             out.append(JetStreamDelivery(self, msg, self._topic, n))
         return out

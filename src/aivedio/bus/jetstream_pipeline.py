@@ -29,6 +29,7 @@ __all__ = [
     "AckPipeline",
     "Edge",
     "PullFetcher",
+    "Pulled",
     "RawWriter",
     "fast_headers",
     "num_delivered",
@@ -171,53 +172,136 @@ def fast_headers(nc: NatsClient) -> None:
         nc._parse_header_lines = lambda raw: _header_lines(raw, slow)  # type: ignore[method-assign]
 
 
-class _Direct:
-    """Stands in for a subscription's pending queue: nats-py's reader hands each message to
-    ``put_nowait``, which calls the handler at once (no queue, no task switch per message).
-    Handlers are plain functions that only file the message away."""
+RawHandler = Callable[[bytes, bytes, bytes, "bytes | None"], None]
 
-    __slots__ = ("_handler", "_sub")
 
-    def __init__(self, handler: Handler, sub: Subscription) -> None:
-        self._handler = handler
-        self._sub = sub
+class _RawRouter:
+    """Messages of our inboxes straight from nats-py's parser to a plain handler.
 
-    def put_nowait(self, msg: Msg) -> None:
-        self._sub._pending_size = 0  # nothing is pending: no slow-consumer drops
+    nats-py's parser calls ``Client._process_msg(sid, subject, reply, data, headers)`` per
+    message, which parses the header block, builds a ``Msg`` and queues it for the
+    subscription's task (a queue put, a get and a task switch). For the PubAck and pull inboxes
+    this router takes the raw parts instead (subject, reply, payload, header block as bytes);
+    the handler parses what it needs. Other subscriptions take nats-py's path unchanged.
+    """
+
+    def __init__(self, nc: NatsClient) -> None:
+        self._original = nc._process_msg
+        self.handlers: dict[int, RawHandler] = {}
+        nc._process_msg = self._process  # type: ignore[method-assign]
+
+    async def _process(
+        self, sid: int, subject: bytes, reply: bytes, data: bytes, headers: bytes | None
+    ) -> None:
+        handler = self.handlers.get(sid)
+        if handler is None:
+            await self._original(sid, subject, reply, data, headers)  # type: ignore[arg-type]
+            return
         try:
-            self._handler(msg)
+            handler(subject, reply, data, headers)
         except Exception:  # an error must not reach (and reset) nats-py's read loop
             log.exception("NATS message handler failed")
 
-    def qsize(self) -> int:
-        return 0
 
-    def empty(self) -> bool:
-        return True
+def _router(nc: NatsClient) -> _RawRouter | None:
+    router: _RawRouter | None = getattr(nc, "_aivedio_router", None)
+    if router is None and callable(getattr(nc, "_process_msg", None)):
+        router = _RawRouter(nc)
+        nc._aivedio_router = router  # type: ignore[attr-defined]
+    return router
 
-    def task_done(self) -> None:
+
+def _raw_headers(headers: Mapping[str, str] | None) -> bytes | None:
+    """A header block as the server sent it, from nats-py's parsed headers (fallback path)."""
+    if not headers:
         return None
+    status = headers.get("Status", "")
+    lines = [f"NATS/1.0 {status}\r\n" if status else "NATS/1.0\r\n"]
+    lines += [f"{k}: {v}\r\n" for k, v in headers.items() if k not in ("Status", "Description")]
+    return ("".join(lines) + "\r\n").encode()
 
-    async def join(self) -> None:
-        return None
 
-
-async def subscribe_direct(nc: NatsClient, subject: str, handler: Handler) -> Subscription:
-    """Subscribe with ``handler`` called from the read loop (see :class:`_Direct`); with a
-    nats-py whose subscription internals differ, a plain callback subscription instead."""
-    sub = await nc.subscribe(subject)
-    queue = getattr(sub, "_pending_queue", None)
-    if isinstance(queue, asyncio.Queue) and isinstance(getattr(sub, "_pending_size", None), int):
-        sub._pending_queue = _Direct(handler, sub)  # type: ignore[assignment]
-        while not queue.empty():  # nothing can be there yet; to be sure
-            handler(queue.get_nowait())
-        return sub
-    await sub.unsubscribe()
+async def subscribe_direct(nc: NatsClient, subject: str, handler: RawHandler) -> Subscription:
+    """Subscribe with ``handler`` called from the read loop with the raw message parts (see
+    :class:`_RawRouter`); with a nats-py whose internals differ, a callback subscription that
+    hands the handler the same parts."""
+    router = _router(nc)
+    if router is not None:
+        sub = await nc.subscribe(subject)
+        sid = getattr(sub, "_id", None)
+        if isinstance(sid, int):
+            router.handlers[sid] = handler
+            return sub
+        await sub.unsubscribe()
 
     async def callback(msg: Msg) -> None:
-        handler(msg)
+        handler(msg.subject.encode(), msg.reply.encode(), msg.data, _raw_headers(msg.headers))
 
     return await nc.subscribe(subject, cb=callback)
+
+
+def unsubscribe_direct(nc: NatsClient, sub: Subscription) -> None:
+    router: _RawRouter | None = getattr(nc, "_aivedio_router", None)
+    if router is not None:
+        router.handlers.pop(getattr(sub, "_id", -1), None)
+
+
+def status_of(headers: bytes | None) -> str:
+    """The inline status of a header block (``NATS/1.0 408 Request Timeout``), or ``""``."""
+    if headers is None or headers[8:9] != b" ":
+        return ""
+    status = headers[9:12].strip().decode("ascii", "replace")
+    return status if status.isdigit() else ""
+
+
+class Pulled:
+    """One message of a pull request, headers parsed only when asked; :meth:`msg` builds the
+    nats-py ``Msg`` for the rarer settlements (nak, in progress, term, dead letter)."""
+
+    __slots__ = ("_headers", "_msg", "_nc", "_raw", "acked", "data", "reply", "subject")
+
+    def __init__(
+        self, nc: NatsClient, subject: str, reply: str, data: bytes, raw: bytes | None
+    ) -> None:
+        self._nc = nc
+        self.subject = subject
+        self.reply = reply
+        self.data = data
+        self._raw = raw
+        self._headers: dict[str, str] | bool | None = False  # False: not parsed yet
+        self._msg: Msg | None = None
+        self.acked = False
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        if self._headers is False:
+            raw = self._raw
+            parsed: dict[str, str] | None = None
+            if raw is not None and len(raw) > 12:
+                slow = type(self._nc)._parse_header_lines
+                if raw[8:9] == b" ":  # a status line first: rare for a delivery
+                    end = raw.find(b"\r\n")
+                    parsed = _header_lines(raw[end + 2 :], slow) if end > 0 else {}
+                else:
+                    parsed = _header_lines(raw[10:], slow)
+            self._headers = parsed or None
+        return self._headers if isinstance(self._headers, dict) else None
+
+    def has_header(self, name: bytes) -> bool:
+        """Cheap pre-check: could the block hold header ``name``?"""
+        return self._raw is not None and name in self._raw
+
+    def msg(self) -> Msg:
+        if self._msg is None:
+            self._msg = Msg(
+                _client=self._nc,
+                subject=self.subject,
+                reply=self.reply,
+                data=self.data,
+                headers=self.headers,
+            )
+        self._msg._ackd = self.acked or self._msg._ackd
+        return self._msg
 
 
 class AckPipeline:
@@ -336,20 +420,20 @@ class AckPipeline:
         for entry in pending:
             self._resolve(entry, exc)
 
-    def _on_reply(self, msg: Msg) -> None:
-        entry = self._pending.pop(msg.subject[len(self._prefix) + 1 :], None)
+    def _on_reply(self, subject: bytes, _reply: bytes, data: bytes, headers: bytes | None) -> None:
+        entry = self._pending.pop(subject[len(self._prefix) + 1 :].decode(), None)
         if entry is None:
             return
-        self._resolve(entry, _pub_ack(msg))
+        self._resolve(entry, _pub_ack(data, headers))
 
 
-def _pub_ack(msg: Msg) -> PublishAck | BusError:
-    if msg.headers and msg.headers.get("Status") == "503":
+def _pub_ack(data: bytes, headers: bytes | None) -> PublishAck | BusError:
+    if status_of(headers) == "503":
         # No responders: no stream listens on the subject (JetStream restarting / stream
         # deleted). Transient from the caller's point of view.
         return BusUnavailable("no JetStream stream answered the publish")
     try:
-        resp = orjson.loads(msg.data)
+        resp = orjson.loads(data)
         if "error" in resp:
             err = resp["error"]
             kind = BusUnavailable if err.get("code") == 503 else BusError
@@ -434,7 +518,7 @@ class PullFetcher:
         self._next_subject = f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{consumer}"
         self._inbox = ""
         self._sub: Subscription | None = None
-        self._buffer: deque[Msg] = deque()
+        self._buffer: deque[Pulled] = deque()
         self._requests = itertools.count(1)
         self._current = ""  # reply token of the request a fetch is waiting on
         self._ended = ""  # the last request the server ended (status message)
@@ -449,6 +533,7 @@ class PullFetcher:
         sub, self._sub = self._sub, None
         self._buffer.clear()  # not acked: redelivered after the ack wait
         if sub is not None:
+            unsubscribe_direct(self._nc, sub)
             await sub.unsubscribe()
 
     def _wake(self) -> None:
@@ -456,17 +541,17 @@ class PullFetcher:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    def _on_msg(self, msg: Msg) -> None:
-        if not msg.reply:  # a status: 408 request ended, 404 no messages, 409 ..., 100 heartbeat
-            status = (msg.headers or {}).get("Status", "")
-            if status != "100" and msg.subject.endswith("." + self._current):
+    def _on_msg(self, subject: bytes, reply: bytes, data: bytes, headers: bytes | None) -> None:
+        if not reply:  # a status: 408 request ended, 404 no messages, 409 ..., 100 heartbeat
+            status = status_of(headers)
+            if status != "100" and subject.endswith(b"." + self._current.encode()):
                 self._ended, self._ended_status = self._current, status
                 self._wake()
             return
-        self._buffer.append(msg)
+        self._buffer.append(Pulled(self._nc, subject.decode(), reply.decode(), data, headers))
         self._wake()
 
-    def _take(self, batch: int) -> list[Msg]:
+    def _take(self, batch: int) -> list[Pulled]:
         buffer = self._buffer
         if len(buffer) <= batch:
             out = list(buffer)
@@ -474,7 +559,7 @@ class PullFetcher:
             return out
         return [buffer.popleft() for _ in range(batch)]
 
-    async def fetch(self, batch: int, timeout: float) -> list[Msg]:  # noqa: ASYNC109
+    async def fetch(self, batch: int, timeout: float) -> list[Pulled]:  # noqa: ASYNC109
         """Up to ``batch`` messages; waits up to ``timeout`` for the first. Raises nats errors."""
         if self._buffer:
             return self._take(batch)
