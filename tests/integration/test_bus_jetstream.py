@@ -17,9 +17,9 @@ import nats
 import nats.js.errors
 import pytest
 
-from aivedio.bus import Bus, BusConfig, BusUnavailable, OutgoingMessage, PublishAck
+from aivedio.bus import Bus, BusConfig, BusError, BusUnavailable, OutgoingMessage, PublishAck
 from aivedio.bus.jetstream import JetStreamBus
-from aivedio.bus.jetstream_pipeline import PullFetcher
+from aivedio.bus.jetstream_pipeline import PullFetcher, _header_lines, status_of
 from tests.contract.bus_contract import BusContract, BusFactory, contract_config
 
 
@@ -276,3 +276,47 @@ async def test_fetch_long_polls_when_the_server_answers_no_wait_at_once(
     assert [d.data for d in got] == [b"late"]
     assert 0.3 < time.monotonic() - started < 2.5
     await got[0].ack()
+
+
+def test_header_fast_path_matches_nats_py() -> None:
+    """The ASCII fast path parses header blocks exactly like nats-py's own parser."""
+    from nats.aio.client import Client
+
+    slow = Client._parse_header_lines
+    samples = [
+        b"Aivedio-Key: 7f1c\r\nNats-Msg-Id: task.status.changed:7f1c:5\r\n\r\n",
+        b"A:b\r\nC:\tvalue \r\nbad name: x\r\nno colon\r\n: empty name\r\n\r\n",
+        b"K: caf\xc3\xa9\r\nL: \xff\r\n\r\n",  # non-ASCII: nats-py's parser decides
+        b"K: a:b:c\r\n\x1cX: y\r\n",
+        b"",
+    ]
+    for raw in samples:
+        assert _header_lines(raw, slow) == slow(raw), raw
+    assert status_of(b"NATS/1.0 408 Request Timeout\r\n\r\n") == "408"
+    assert status_of(b"NATS/1.0 503\r\n\r\n") == "503"
+    assert status_of(b"NATS/1.0\r\nStatus: 408\r\n\r\n") == ""
+    assert status_of(None) == ""
+
+
+async def test_headers_nats_py_would_rewrite_and_double_ack(
+    jetstream_factory: tuple[BusConfig, BusFactory],
+) -> None:
+    """Raw frames carry user headers as they are; a value nats-py would strip goes through
+    ``Client.publish`` (same result as before the raw path); a second ack is a BusError."""
+    _, factory = jetstream_factory
+    bus = await factory()
+    consumer = await bus.subscribe("raw.headers", "g1")
+    await bus.publish("raw.headers", "k1", "d1", b"one", headers={"X-Plain": "v 1"})
+    await bus.publish("raw.headers", "k2", "d2", b"two", headers={"X-Padded": " v2 "})
+    got = await consumer.fetch(10, timeout=2.0)
+    assert [(d.key, d.dedup_id, d.data, dict(d.headers)) for d in got] == [
+        ("k1", "d1", b"one", {"X-Plain": "v 1"}),
+        ("k2", "d2", b"two", {"X-Padded": "v2"}),
+    ]
+    await got[0].ack()
+    with pytest.raises(BusError):
+        await got[0].ack()
+    await got[1].nak()
+    again = await consumer.fetch(10, timeout=2.0)
+    assert [(d.data, d.deliveries) for d in again] == [(b"two", 2)]
+    await again[0].ack()
