@@ -57,6 +57,24 @@ class TestJetStreamBus(BusContract):
         return jetstream_factory[1]
 
 
+class TestJetStreamBusThroughClientPublish(BusContract):
+    """The same contract with the raw-frame path off, as on a nats-py without the internals it
+    relies on: every publish and ack then goes through ``Client.publish``."""
+
+    @pytest.fixture
+    def bus_factory(self, jetstream_factory: tuple[BusConfig, BusFactory]) -> BusFactory:
+        make = jetstream_factory[1]
+
+        async def factory() -> Bus:
+            bus = await make()
+            assert isinstance(bus, JetStreamBus)
+            bus._raw.supported = False
+            bus._pipeline._raw.supported = False
+            return bus
+
+        return factory
+
+
 async def test_unreachable_server_raises_bus_unavailable() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

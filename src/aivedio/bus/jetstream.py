@@ -455,7 +455,7 @@ class JetStreamDelivery:
                 raise nats.errors.MsgAlreadyAckdError(msg)
             if not msg.reply:
                 raise nats.errors.Error("no reply subject available")
-            await self._consumer._bus._raw.write(f"PUB {msg.reply} 0\r\n\r\n".encode())
+            await self._consumer._bus._raw.ack(msg.reply)
             msg.acked = True
         except NATS_ERRORS as exc:
             raise self._consumer._bus._edge.translate(exc, "ack") from exc

@@ -92,12 +92,29 @@ class RawWriter:
     the same buffer and flusher ``publish`` uses (``_send_command`` / ``_flush_pending``, the
     same checks and buffering during a reconnect). Headers that nats-py would rewrite (a value
     with CR/LF or outer blanks, an unusual name) make ``hpub`` return ``None``: the caller then
-    goes through ``Client.publish``.
+    goes through ``Client.publish``. A nats-py without these internals (``supported`` false)
+    sends everything through ``Client.publish``; pyproject pins the tested nats-py range.
     """
+
+    _INTERNALS = (
+        "_send_command",
+        "_flush_pending",
+        "_flush_queue",
+        "_pending_data_size",
+        "_max_pending_size",
+    )
 
     def __init__(self, nc: NatsClient) -> None:
         self._nc = nc
         self._keys: set[str] = set()  # header names that passed the check
+        self.supported = all(hasattr(nc, name) for name in self._INTERNALS)
+
+    async def ack(self, subject: str) -> None:
+        """What ``Msg.ack`` sends: an empty message to ``subject``."""
+        if self.supported:
+            await self.write(f"PUB {subject} 0\r\n\r\n".encode())
+        else:
+            await self._nc.publish(subject, b"")
 
     async def write(self, frame: bytes) -> None:
         """Queue ``frame``; raises the nats errors ``Client.publish`` raises."""
@@ -119,6 +136,8 @@ class RawWriter:
         self, subject: str, reply: str, payload: bytes, headers: Mapping[str, str]
     ) -> bytes | None:
         """The HPUB frame, or ``None`` if ``Client.publish`` must encode these headers."""
+        if not self.supported:
+            return None
         if len(payload) > self._nc.max_payload:
             raise nats.errors.MaxPayloadError
         lines = ["NATS/1.0\r\n"]
