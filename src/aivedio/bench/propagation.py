@@ -8,7 +8,8 @@ subscriber in this process counting every event on a private channel:
     start (in child processes, as separate roles would run) and the clock runs until the
     subscriber has every (task, version); ``per_s`` = events / seconds. Every event is accounted
     for: missing, duplicate and out-of-order counts are printed and must be 0.
-(b) **latency**: ``rate`` observations/s for ``seconds`` through ``StateService.apply`` on
+(b) **latency**: ``rate`` observations/s for ``seconds`` through ``StateService.apply`` (or
+    ``apply_many`` of ``writer_batch`` observations per commit) on
     ``latency_tasks`` tasks in ``projects`` projects, from ``writers`` processes; latency = the
     subscriber's receive time minus the event row's ``created_at`` (``clock_timestamp()`` when it
     was written, just before the commit: an upper bound of commit -> publish); ``p50_ms``,
@@ -74,6 +75,10 @@ class Options:
     projects: int = 32
     workers: int = 32  # concurrent applies in the latency phase, split over the writers
     writers: int = 4  # writer processes in the latency phase
+    writer_batch: int = 1
+    """Observations per transaction in the latency phase: 1 = ``StateService.apply`` each (one
+    commit per event); N > 1 = ``apply_many`` of N every N intervals (the inbox processor's and
+    poller's batching), which costs the writers far less CPU for the same steady event rate."""
     probe: int = 100  # single events, one at a time, before the steady load
     latency_relays: int = 1  # relay processes in the latency phase
     timeout: float = 120.0
@@ -87,6 +92,7 @@ class Options:
             "latency_tasks",
             "projects",
             "writers",
+            "writer_batch",
         ):
             if getattr(self, name) < 1:
                 raise BenchUsageError(f"{name} must be at least 1")
@@ -124,7 +130,8 @@ async def _run(settings: Settings, opts: Options) -> int:
     print(
         f"propagation: drain {opts.events} outbox rows ({opts.tasks} tasks), {opts.relays} "
         f"relay(s) + 1 dispatcher in child processes; then {opts.rate} events/s for "
-        f"{opts.seconds:g} s through StateService.apply",
+        f"{opts.seconds:g} s through StateService."
+        + ("apply" if opts.writer_batch == 1 else f"apply_many ({opts.writer_batch} per commit)"),
         flush=True,
     )
     figures: dict[str, Any] = {"bench": "propagation"}
@@ -562,6 +569,7 @@ class WriterSpec:
     interval: float  # seconds between this writer's starts
     offset: float  # its first start after the common start time
     workers: int  # concurrent applies (its pool size)
+    batch: int = 1  # observations per transaction
 
 
 async def _writers(
@@ -585,6 +593,7 @@ async def _writers(
             interval=n / opts.rate,
             offset=w / opts.rate,
             workers=max(2, opts.workers // n),
+            batch=opts.writer_batch,
         )
         for w in range(n)
     ]
@@ -666,11 +675,11 @@ async def _steady(
     committed: list[tuple[tuple[str, int], float]] = []
     jobs: list[asyncio.Task[None]] = []
 
-    async def apply(i: int) -> None:
+    def observation(i: int) -> ProviderObservation:
         k = i % len(attempts)
         progress[k] = min(99, progress[k] + step)
         sequence[k] += 1
-        obs = ProviderObservation(
+        return ProviderObservation(
             provider="sandbox",
             attempt_id=attempts[k],
             status=ProviderStatus.RUNNING,
@@ -679,19 +688,30 @@ async def _steady(
             provider_occurred_at=datetime.now(UTC),
             progress=progress[k],
         )
+
+    async def apply(first_i: int, count: int) -> None:
+        batch = [observation(i) for i in range(first_i, first_i + count)]
         async with sem:
-            result = await state.apply(obs)
-        if result.outcome is Outcome.APPLIED and result.task_id and result.task_version:
-            committed.append(((str(result.task_id), result.task_version), time.time()))
+            if len(batch) == 1:
+                results = [await state.apply(batch[0])]
+            else:
+                results = await state.apply_many(batch)
+        now = time.time()
+        for result in results:
+            if result.outcome is Outcome.APPLIED and result.task_id and result.task_version:
+                committed.append(((str(result.task_id), result.task_version), now))
 
     first = start_at + spec.offset
-    for i in range(spec.total):
-        delay = first + i * spec.interval - time.time()
+    size = max(1, spec.batch)
+    for i in range(0, spec.total, size):
+        # A batch leaves when its last observation is due: none is applied before its time.
+        count = min(size, spec.total - i)
+        delay = first + (i + count - 1) * spec.interval - time.time()
         if delay > 0:
             await asyncio.sleep(delay)
         else:
             lag.append(-delay * 1000)
-        jobs.append(asyncio.create_task(apply(i)))
+        jobs.append(asyncio.create_task(apply(i, count)))
     await asyncio.gather(*jobs)
     return committed, lag
 
