@@ -30,6 +30,9 @@ class GatewayConfig:
     socket_send_buffer: int | None = None  # SO_SNDBUF per connection (None: the OS default)
     backlog_max_events: int = 10_000  # live events buffered while one connection replays
     max_head_bytes: int = 8192
+    # Redis messages that had already arrived, delivered together with one write per
+    # connection (hub.py, transport.corked); 1 turns the batching off.
+    max_corked: int = 32
     head_timeout_s: float = 10.0
     max_conns_per_user: int = 50
     max_conns_per_tenant: int = 5000

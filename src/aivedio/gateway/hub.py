@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from redis.asyncio import Redis
+from redis.asyncio.client import PubSub
 from redis.exceptions import RedisError
 
 from aivedio.gateway import metrics
@@ -27,6 +28,7 @@ from aivedio.gateway.frames import make_event
 from aivedio.gateway.resume import ProjectStream
 from aivedio.gateway.session import Session
 from aivedio.gateway.store import EventStore
+from aivedio.gateway.transport import corked
 from aivedio.logs import log
 
 logger = logging.getLogger("aivedio.gateway")
@@ -130,17 +132,19 @@ class Hub:
                 await pubsub.subscribe(self.channel)
                 while not stopping.is_set():
                     message = await pubsub.get_message(timeout=1.0)
-                    if message is None:
-                        continue
-                    if message["type"] == "subscribe":
-                        # First subscribe, or redis-py's own reconnect re-subscribed: messages
-                        # may have been lost in between.
-                        metrics.REDIS_RECONNECTS.inc()
-                        self.subscribed.set()
-                        self.on_subscribed()
-                        backoff = 0.1
-                    elif message["type"] == "message":
-                        self.on_message(message["data"])
+                    while message is not None:
+                        if message["type"] == "subscribe":
+                            # First subscribe, or redis-py's own reconnect re-subscribed:
+                            # messages may have been lost in between.
+                            metrics.REDIS_RECONNECTS.inc()
+                            self.subscribed.set()
+                            self.on_subscribed()
+                            backoff = 0.1
+                            message = None
+                        elif message["type"] == "message":
+                            message = await self._deliver_arrived(pubsub, message["data"])
+                        else:
+                            message = None
             except (RedisError, OSError) as exc:
                 self.subscribed.clear()
                 log(logger, logging.WARNING, "pub/sub connection lost", error=repr(exc))
@@ -149,6 +153,29 @@ class Hub:
             finally:
                 with contextlib.suppress(RedisError, OSError):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
+
+    async def _deliver_arrived(self, pubsub: PubSub, first: bytes) -> dict[str, Any] | None:
+        """Deliver ``first`` at once, then every message that has already arrived behind it (up
+        to ``max_corked``) in one ``corked()`` scope: when the node fell behind, each connection
+        gets the frames of several events in one write. Nothing waits for a message that has not
+        arrived, so a node that keeps up delivers every event alone, at once. Returns a
+        non-data message met on the way (a re-subscribe), for the caller to handle next."""
+        self.on_message(first)
+        batch: list[bytes] = []
+        other: dict[str, Any] | None = None
+        while len(batch) < self.config.max_corked - 1:
+            message = await pubsub.get_message(timeout=0.0)
+            if message is None:
+                break
+            if message["type"] != "message":
+                other = message
+                break
+            batch.append(message["data"])
+        if batch:
+            with corked():
+                for data in batch:
+                    self.on_message(data)
+        return other
 
     def close(self) -> None:
         for stream in self.streams.values():

@@ -9,7 +9,8 @@ socket is writable. The session logic (ordering, filtering, queueing, timers) li
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from aivedio.gateway import frames
@@ -41,6 +42,32 @@ class Transport(Protocol):
     def close(self, reason: CloseReason) -> None: ...
 
 
+_held: list[SessionProtocol] | None = None  # the transports holding frames inside ``corked()``
+
+
+@contextlib.contextmanager
+def corked() -> Iterator[None]:
+    """Inside, lean transports hold the frames they are given; on leaving, each writes what it
+    holds at once (one ``writelines``: one syscall instead of one per frame).
+
+    The hub delivers several Redis messages inside one ``corked()`` only when they had already
+    arrived (it fell behind), so this adds no latency: it turns N sends per connection into one
+    exactly when sends are the bottleneck. Synchronous code only (no await inside), so there is
+    never more than one cork per process; a nested ``corked()`` joins the outer one.
+    """
+    global _held
+    if _held is not None:
+        yield
+        return
+    _held = []
+    try:
+        yield
+    finally:
+        held, _held = _held, None
+        for transport in held:
+            transport.flush_held()
+
+
 class SessionProtocol(asyncio.Protocol):
     """What every lean transport shares: the asyncio side of flow control, wired to its session.
 
@@ -48,14 +75,34 @@ class SessionProtocol(asyncio.Protocol):
     session queues (bounded too) and evicts a client that stays slow.
     """
 
-    __slots__ = ("_closed", "_paused", "session", "transport")
+    __slots__ = ("_closed", "_held", "_paused", "session", "transport")
 
     def __init__(self, transport: asyncio.Transport, high_water: int, low_water: int) -> None:
         self.transport = transport
         self.session: Session | None = None
         self._paused = False
         self._closed = False
+        self._held: list[bytes] | None = None  # frames written inside ``corked()``
         transport.set_write_buffer_limits(high=high_water, low=low_water)
+
+    def put(self, frame: bytes) -> None:
+        """Write ``frame`` now, or hold it until the current ``corked()`` ends."""
+        if _held is None:
+            self.transport.write(frame)
+        elif self._held is None:
+            self._held = [frame]
+            _held.append(self)
+        else:
+            self._held.append(frame)
+
+    def flush_held(self) -> None:
+        """Write what ``corked()`` held (before a close frame, too: order is kept)."""
+        frames_, self._held = self._held, None
+        if frames_ and not self._closed:
+            if len(frames_) == 1:
+                self.transport.write(frames_[0])
+            else:
+                self.transport.writelines(frames_)
 
     def eof_received(self) -> bool:
         return False  # the client half-closed: close our side too
@@ -99,10 +146,11 @@ class SseTransport(SessionProtocol):
 
     def write(self, frame: bytes) -> None:
         if not self._closed:
-            self.transport.write(frame)
+            self.put(frame)
 
     def write_many(self, frames: Sequence[bytes]) -> None:
         if not self._closed and frames:
+            self.flush_held()
             self.transport.writelines(frames)
 
     def ping(self, now: float, sse_ping: bytes) -> None:
@@ -118,6 +166,7 @@ class SseTransport(SessionProtocol):
     def close(self, reason: CloseReason) -> None:
         if self._closed:
             return
+        self.flush_held()
         self._closed = True
         self.session = None
         if reason is CloseReason.CLIENT_GONE:

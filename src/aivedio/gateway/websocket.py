@@ -191,10 +191,11 @@ class WsTransport(SessionProtocol):
 
     def write(self, frame: bytes) -> None:
         if not self._closed:
-            self.transport.write(frame)
+            self.put(frame)
 
     def write_many(self, frames: Sequence[bytes]) -> None:
         if not self._closed and frames:
+            self.flush_held()
             self.transport.writelines(frames)
 
     def ping(self, now: float, sse_ping: bytes) -> None:
@@ -212,6 +213,7 @@ class WsTransport(SessionProtocol):
     def close(self, reason: CloseReason) -> None:
         if self._closed:
             return
+        self.flush_held()
         self._closed = True
         self.session = None
         if reason is CloseReason.CLIENT_GONE or not self._open:
