@@ -27,6 +27,21 @@ from tests.integration.helpers import Project, make_project, make_task, store
 SECRET = b"test-stream-token-secret-0123456789"
 
 
+def gateway_config(redis_url: str, tag: str, **overrides: Any) -> GatewayConfig:
+    """A gateway config for tests: private channel and keys, fast timers."""
+    config = GatewayConfig(
+        redis_url=redis_url,
+        channel=f"test:events:{tag}",
+        key_prefix=f"test:gw:{tag}",
+        token_secret=SECRET,
+        heartbeat_s=1.0,
+        recheck_s=0.5,
+        tailcheck_s=1.0,
+        retry_ms=100,
+    )
+    return replace(config, **overrides)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -129,17 +144,7 @@ async def make_env(db: Database, redis_url: str) -> AsyncIterator[EnvFactory]:
 
     async def factory(publish: bool = True, **overrides: Any) -> Env:
         tag = uuid.uuid4().hex[:12]
-        config = GatewayConfig(
-            redis_url=redis_url,
-            channel=f"test:events:{tag}",
-            key_prefix=f"test:gw:{tag}",
-            token_secret=SECRET,
-            heartbeat_s=1.0,
-            recheck_s=0.5,
-            tailcheck_s=1.0,
-            retry_ms=100,
-        )
-        config = replace(config, **overrides)
+        config = gateway_config(redis_url, tag, **overrides)
         state = StateService(db)
         tasks = store(db, state)
         project = await make_project(db, tenant=f"t-{tag}", project="web")

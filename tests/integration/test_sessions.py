@@ -26,13 +26,13 @@ from aivedio.api.sessions import CSRF_HEADER, SESSION_COOKIE, session_routes
 from aivedio.client import Frame, parse_sse
 from aivedio.config import ApiConfig
 from aivedio.db.pool import Database
-from aivedio.gateway import Gateway, GatewayConfig, serve_http, stream_token_routes
+from aivedio.gateway import Gateway, serve_http, stream_token_routes
 from aivedio.gateway.auth import connection_lifetime
 from aivedio.gateway.protocol import origin_allowed, parse_head
 from aivedio.gateway.session import Identity
 from aivedio.state.service import StateService
 from tests.integration.helpers import Project, make_project, make_task, store
-from tests.integration.test_gateway_harness import SECRET, Publisher, free_port
+from tests.integration.test_gateway_harness import SECRET, Publisher, free_port, gateway_config
 
 CSRF = {CSRF_HEADER: "1"}
 WITHIN_S = 5.0  # revocation closes a connection within this (the contract), plus slack below
@@ -79,17 +79,7 @@ async def make_session_env(db: Database, redis_url: str) -> AsyncIterator[Sessio
         session_ttl_s: int = 3600, public_url: str = "http://127.0.0.1", **overrides: Any
     ) -> SessionEnv:
         tag = uuid.uuid4().hex[:12]
-        config = GatewayConfig(
-            redis_url=redis_url,
-            channel=f"test:events:{tag}",
-            key_prefix=f"test:gw:{tag}",
-            token_secret=SECRET,
-            heartbeat_s=1.0,
-            recheck_s=0.5,
-            tailcheck_s=1.0,
-            retry_ms=100,
-        )
-        config = replace(config, **overrides)
+        config = gateway_config(redis_url, tag, **overrides)
         state = StateService(db)
         project = await make_project(db, tenant=f"t-{tag}", project="web")
         routes = [
