@@ -27,6 +27,24 @@ from tests.integration.helpers import Project, make_project, make_task, store
 SECRET = b"test-stream-token-secret-0123456789"
 
 
+async def serve_gateway(
+    app: Any, gateway: Gateway
+) -> tuple[int, asyncio.Event, asyncio.Task[None]]:
+    """Serve ``app`` and ``gateway`` on a free port; return once it is subscribed and accepts."""
+    port = free_port()
+    stopping = asyncio.Event()
+    server = asyncio.create_task(serve_http(app, "127.0.0.1", port, gateway, stopping))
+    await asyncio.wait_for(gateway.wait_subscribed(), 10)
+    for _ in range(100):
+        try:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            break
+        except OSError:
+            await asyncio.sleep(0.05)
+    return port, stopping, server
+
+
 def gateway_config(redis_url: str, tag: str, **overrides: Any) -> GatewayConfig:
     """A gateway config for tests: private channel and keys, fast timers."""
     config = GatewayConfig(
@@ -150,17 +168,7 @@ async def make_env(db: Database, redis_url: str) -> AsyncIterator[EnvFactory]:
         project = await make_project(db, tenant=f"t-{tag}", project="web")
         app = create_app(db, tasks, ApiConfig(), extra_routes=stream_token_routes(db, SECRET))
         gateway = Gateway(db, config)
-        port = free_port()
-        stopping = asyncio.Event()
-        server = asyncio.create_task(serve_http(app, "127.0.0.1", port, gateway, stopping))
-        await asyncio.wait_for(gateway.wait_subscribed(), 10)
-        for _ in range(100):
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.close()
-                break
-            except OSError:
-                await asyncio.sleep(0.05)
+        port, stopping, server = await serve_gateway(app, gateway)
         redis = Redis.from_url(redis_url)
         publisher = Publisher(db, redis, config.channel, project.project_id)
         pub_task = asyncio.create_task(publisher.run() if publish else asyncio.sleep(0))

@@ -26,13 +26,18 @@ from aivedio.api.sessions import CSRF_HEADER, SESSION_COOKIE, session_routes
 from aivedio.client import Frame, parse_sse
 from aivedio.config import ApiConfig
 from aivedio.db.pool import Database
-from aivedio.gateway import Gateway, serve_http, stream_token_routes
+from aivedio.gateway import Gateway, stream_token_routes
 from aivedio.gateway.auth import connection_lifetime
 from aivedio.gateway.protocol import origin_allowed, parse_head
 from aivedio.gateway.session import Identity
 from aivedio.state.service import StateService
 from tests.integration.helpers import Project, make_project, make_task, store
-from tests.integration.test_gateway_harness import SECRET, Publisher, free_port, gateway_config
+from tests.integration.test_gateway_harness import (
+    SECRET,
+    Publisher,
+    gateway_config,
+    serve_gateway,
+)
 
 CSRF = {CSRF_HEADER: "1"}
 WITHIN_S = 5.0  # revocation closes a connection within this (the contract), plus slack below
@@ -88,18 +93,8 @@ async def make_session_env(db: Database, redis_url: str) -> AsyncIterator[Sessio
         ]
         app = create_app(db, store(db, state), ApiConfig(), extra_routes=routes)
         gateway = Gateway(db, config)
-        port = free_port()
-        stopping = asyncio.Event()
-        server = asyncio.create_task(serve_http(app, "127.0.0.1", port, gateway, stopping))
-        await asyncio.wait_for(gateway.wait_subscribed(), 10)
+        port, stopping, server = await serve_gateway(app, gateway)
         base = f"http://127.0.0.1:{port}"
-        for _ in range(100):
-            try:
-                _, writer = await asyncio.open_connection("127.0.0.1", port)
-                writer.close()
-                break
-            except OSError:
-                await asyncio.sleep(0.05)
         redis = Redis.from_url(redis_url)
         publisher = Publisher(db, redis, config.channel, project.project_id)
         started.append((stopping, server, asyncio.create_task(publisher.run()), redis))
