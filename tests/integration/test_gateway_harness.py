@@ -45,7 +45,7 @@ async def serve_gateway(
     return port, stopping, server
 
 
-def gateway_config(redis_url: str, tag: str, **overrides: Any) -> GatewayConfig:
+def gateway_config(redis_url: str, tag: str, /, **overrides: Any) -> GatewayConfig:
     """A gateway config for tests: private channel and keys, fast timers."""
     config = GatewayConfig(
         redis_url=redis_url,
