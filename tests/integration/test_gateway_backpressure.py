@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 
 import pytest
 
-from tests.integration.test_gateway_harness import EnvFactory, collect, make_env, seqs
+from tests.integration.test_gateway_harness import EnvFactory, collect, make_env, open_stalled, seqs
 
 __all__ = ["make_env"]
 
@@ -33,17 +32,11 @@ async def test_stalled_client_is_evicted_while_others_keep_receiving(
         queue_max_bytes=4096,
         stall_timeout_s=3.0,
     )
-    host, port = env.base_url.removeprefix("http://").split(":")
-    stalled = socket.socket()
-    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
-    stalled.setblocking(False)
-    loop = asyncio.get_running_loop()
-    await loop.sock_connect(stalled, (host, int(port)))
-    await loop.sock_sendall(
-        stalled,
+    stalled = await open_stalled(
+        env.base_url,
         f"GET /v1/projects/{env.project.project_id}/events HTTP/1.1\r\nHost: x\r\n"
-        f"Authorization: Bearer {env.project.api_key}\r\n\r\n".encode(),
-    )  # ... and never read again
+        f"Authorization: Bearer {env.project.api_key}\r\n\r\n",
+    )
     healthy = env.client()
     await healthy.snapshot()
     stream = healthy.connect_once()

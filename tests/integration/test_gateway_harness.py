@@ -45,6 +45,19 @@ async def serve_gateway(
     return port, stopping, server
 
 
+async def open_stalled(base_url: str, head: str) -> socket.socket:
+    """A client that sends ``head`` with a tiny receive buffer and never reads again: the
+    gateway's socket buffer fills, then its queue, and it must evict this client alone."""
+    host, port = base_url.removeprefix("http://").split(":")
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    stalled.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(stalled, (host, int(port)))
+    await loop.sock_sendall(stalled, head.encode())
+    return stalled
+
+
 def gateway_config(redis_url: str, tag: str, /, **overrides: Any) -> GatewayConfig:
     """A gateway config for tests: private channel and keys, fast timers."""
     config = GatewayConfig(

@@ -8,7 +8,6 @@ import base64
 import json
 import logging
 import os
-import socket
 import struct
 from typing import Any
 
@@ -22,7 +21,14 @@ from aivedio.domain.observation import ProviderStatus
 from aivedio.gateway import wsframes
 from tests.integration.helpers import make_project
 from tests.integration.test_gateway_backpressure import closes
-from tests.integration.test_gateway_harness import Env, EnvFactory, collect, make_env, seqs
+from tests.integration.test_gateway_harness import (
+    Env,
+    EnvFactory,
+    collect,
+    make_env,
+    open_stalled,
+    seqs,
+)
 
 __all__ = ["make_env"]
 
@@ -383,21 +389,13 @@ async def test_stalled_client_is_evicted_as_slow_while_another_keeps_receiving(
         queue_max_bytes=4096,
         stall_timeout_s=3.0,
     )
-    host, port = env.base_url.removeprefix("http://").split(":")
-    stalled = socket.socket()
-    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
-    stalled.setblocking(False)
-    loop = asyncio.get_running_loop()
-    await loop.sock_connect(stalled, (host, int(port)))
-    await loop.sock_sendall(
-        stalled,
-        (
-            f"GET /v1/projects/{env.project.project_id}/ws HTTP/1.1\r\nHost: x\r\n"
-            "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
-            f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
-            f"Authorization: Bearer {env.project.api_key}\r\n\r\n"
-        ).encode(),
-    )  # ... and never read again
+    stalled = await open_stalled(
+        env.base_url,
+        f"GET /v1/projects/{env.project.project_id}/ws HTTP/1.1\r\nHost: x\r\n"
+        "Upgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Version: 13\r\n"
+        f"Sec-WebSocket-Key: {base64.b64encode(os.urandom(16)).decode()}\r\n"
+        f"Authorization: Bearer {env.project.api_key}\r\n\r\n",
+    )
     healthy = env.client(transport="ws")
     await healthy.snapshot()
     stream = healthy.connect_once()
