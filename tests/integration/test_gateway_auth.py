@@ -50,6 +50,13 @@ async def test_cross_tenant_subscribe_is_refused_and_receives_nothing(
         headers=intruder.headers,
     )
     assert response.status_code == 404
+    # A malformed project id is the API's usual field error.
+    response = await intruder.http.post(
+        "/v1/stream-tokens", json={"project_id": "not-a-uuid"}, headers=intruder.headers
+    )
+    assert response.status_code == 422
+    assert response.json()["error"]["code"] == "validation_failed"
+    assert response.json()["error"]["fields"] == [{"field": "project_id", "message": "a UUID"}]
     await env.new_task()
     await intruder.aclose()
     await own.aclose()

@@ -39,6 +39,16 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
+def invalid_field(field: str, message: str) -> ApiError:
+    """The API's one answer to a bad field: 422 ``validation_failed`` naming it in ``fields``."""
+    return ApiError(
+        422,
+        "validation_failed",
+        "the request is invalid",
+        fields=[{"field": field, "message": message}],
+    )
+
+
 def error_response(exc: ApiError) -> JSONResponse:
     body: dict[str, Any] = {"code": exc.code, "message": exc.message}
     if exc.fields is not None:

@@ -29,7 +29,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from aivedio.admin import hash_api_key
-from aivedio.api.http import ApiError, read_json
+from aivedio.api.http import ApiError, invalid_field, read_json
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.state.tasks import Principal
@@ -255,20 +255,10 @@ async def _body_project(request: Request) -> uuid.UUID | None:
     body = await read_json(request, 4096)
     raw = body.get("project_id") if isinstance(body, dict) else None
     if not isinstance(body, dict) or set(body) - {"project_id"}:
-        raise ApiError(
-            422,
-            "validation_failed",
-            "the request is invalid",
-            fields=[{"field": "body", "message": 'an object {"project_id"?: UUID}'}],
-        )
+        raise invalid_field("body", 'an object {"project_id"?: UUID}')
     if raw is None:
         return None
     try:
         return uuid.UUID(str(raw))
     except ValueError as exc:
-        raise ApiError(
-            422,
-            "validation_failed",
-            "the request is invalid",
-            fields=[{"field": "project_id", "message": "a UUID"}],
-        ) from exc
+        raise invalid_field("project_id", "a UUID") from exc

@@ -29,7 +29,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
-from aivedio.api.http import ApiError, read_json
+from aivedio.api.http import ApiError, invalid_field, read_json
 from aivedio.api.sessions import caller_of, key_caller, revoked_credentials, session_caller
 from aivedio.db.pool import Database
 from aivedio.gateway.closecodes import CloseReason
@@ -194,12 +194,7 @@ def stream_token_routes(db: Database, secret: bytes, ttl_s: int = 60) -> list[Ba
         try:
             project_id = uuid.UUID(str(body["project_id"]))
         except (KeyError, TypeError, ValueError) as exc:
-            raise ApiError(
-                422,
-                "invalid_request",
-                "project_id must be a UUID",
-                fields=[{"field": "project_id", "message": "a UUID"}],
-            ) from exc
+            raise invalid_field("project_id", "a UUID") from exc
         if not caller.may_use(project_id):  # a session bound to another project
             raise ApiError(404, "not_found", "project not found")
         if await store.project_tenant(project_id) != caller.tenant_id:
