@@ -100,6 +100,27 @@ async def test_concurrent_connect_creates_streams_once(
         await nc.close()
 
 
+async def test_foreign_stream_on_the_same_subjects_is_refused(
+    jetstream_factory: tuple[BusConfig, BusFactory], nats_url: str
+) -> None:
+    """A stream of another name that owns our subjects is a configuration error, not a race
+    with a concurrent start: connect names the overlap instead of updating anything."""
+    cfg, _ = jetstream_factory
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        await js.add_stream(name=f"{cfg.stream}_FOREIGN", subjects=[f"{cfg.subject_prefix}.>"])
+        try:
+            with pytest.raises(BusError, match="overlap"):
+                await JetStreamBus.connect(cfg)
+            with pytest.raises(nats.js.errors.NotFoundError):
+                await js.stream_info(cfg.stream)
+        finally:
+            await js.delete_stream(f"{cfg.stream}_FOREIGN")
+    finally:
+        await nc.close()
+
+
 async def test_changed_config_updates_existing_stream(
     jetstream_factory: tuple[BusConfig, BusFactory], nats_url: str
 ) -> None:

@@ -75,6 +75,9 @@ B_ONLY_GROUP = H_ONLY_GROUP.encode()
 
 # JetStream API error codes we act on.
 ERR_STREAM_NAME_IN_USE = 10058  # "stream name already in use with a different configuration"
+# While another process is creating the same stream, the server may answer "subjects overlap
+# with an existing stream" instead of "name in use": the overlapping stream is our own.
+ERR_SUBJECTS_OVERLAP = 10065
 
 
 def _user_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
@@ -188,9 +191,12 @@ class JetStreamBus:
                     # Identical config: the server answers OK, so concurrent starts are fine.
                     await self._js.add_stream(config)
                 except nats.js.errors.BadRequestError as exc:
-                    if exc.err_code != ERR_STREAM_NAME_IN_USE:
+                    if exc.err_code not in (ERR_STREAM_NAME_IN_USE, ERR_SUBJECTS_OVERLAP):
                         raise
-                    await self._js.update_stream(config)
+                    try:
+                        await self._js.update_stream(config)
+                    except nats.js.errors.NotFoundError:
+                        raise exc from None  # another stream owns these subjects
 
     async def close(self) -> None:
         if self._closed:
