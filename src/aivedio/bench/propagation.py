@@ -8,12 +8,15 @@ subscriber in this process counting every event on a private channel:
     start (in child processes, as separate roles would run) and the clock runs until the
     subscriber has every (task, version); ``per_s`` = events / seconds. Every event is accounted
     for: missing, duplicate and out-of-order counts are printed and must be 0.
-(b) **latency**: ``rate`` observations/s for ``seconds`` through ``StateService.apply`` (or
-    ``apply_many`` of ``writer_batch`` observations per commit) on
-    ``latency_tasks`` tasks in ``projects`` projects, from ``writers`` processes; latency = the
-    subscriber's receive time minus the event row's ``created_at`` (``clock_timestamp()`` when it
-    was written, just before the commit: an upper bound of commit -> publish); ``p50_ms``,
-    ``p99_ms``.
+(b) **latency**: ``rate`` observations/s for ``seconds`` through ``StateService.apply_in`` (or
+    ``apply_many_in`` of ``writer_batch`` observations per commit) on ``latency_tasks`` tasks in
+    ``projects`` projects, from ``writers`` processes, each writer owning the transaction so it
+    can stamp both ends of its ``COMMIT``. Latency = the subscriber's receive time (after the
+    Redis publish) minus the moment ``COMMIT`` returned in the writer (``p50_ms``, ``p99_ms``):
+    the commit happened just before that reply, so this is the issue's "commit -> publish" up to
+    the reply's trip and the writer's wake-up. The same from the moment ``COMMIT`` was sent
+    (``p50_ms_upper``, ``p99_ms_upper``) is an upper bound: it adds the writer's WAL flush and
+    wait for its turn in the group commit, which no part of the propagation path can shorten.
 """
 
 from __future__ import annotations
@@ -76,8 +79,8 @@ class Options:
     workers: int = 32  # concurrent applies in the latency phase, split over the writers
     writers: int = 4  # writer processes in the latency phase
     writer_batch: int = 1
-    """Observations per transaction in the latency phase: 1 = ``StateService.apply`` each (one
-    commit per event); N > 1 = ``apply_many`` of N every N intervals (the inbox processor's and
+    """Observations per transaction in the latency phase: 1 = ``StateService.apply_in`` each (one
+    commit per event); N > 1 = ``apply_many_in`` of N every N intervals (the inbox processor's and
     poller's batching), which costs the writers far less CPU for the same steady event rate."""
     probe: int = 100  # single events, one at a time, before the steady load
     latency_relays: int = 1  # relay processes in the latency phase
@@ -131,7 +134,11 @@ async def _run(settings: Settings, opts: Options) -> int:
         f"propagation: drain {opts.events} outbox rows ({opts.tasks} tasks), {opts.relays} "
         f"relay(s) + 1 dispatcher in child processes; then {opts.rate} events/s for "
         f"{opts.seconds:g} s through StateService."
-        + ("apply" if opts.writer_batch == 1 else f"apply_many ({opts.writer_batch} per commit)"),
+        + (
+            "apply_in"
+            if opts.writer_batch == 1
+            else f"apply_many_in ({opts.writer_batch} per commit)"
+        ),
         flush=True,
     )
     figures: dict[str, Any] = {"bench": "propagation"}
@@ -420,8 +427,7 @@ async def _latency(
     try:
         state = StateService(db, settings.state)
         attempts = await _make_tasks(db, state, opts)
-        committed: dict[tuple[str, int], float] = {}
-        acked: dict[tuple[str, int], float] = {}  # when apply() returned in the writer
+        acked: dict[tuple[str, int], tuple[float, float]] = {}  # (COMMIT sent, returned)
         cpu: dict[str, float] = {}
         async with _pipeline(
             _specs(url, bus, redis_url, prefix, replace(opts, relays=opts.latency_relays)), cpu
@@ -429,53 +435,41 @@ async def _latency(
             await asyncio.sleep(1.0)  # the creations' events drain first
             single = await _probe(url, counted, opts.probe)
             given, lag, seconds = await _writers(url, settings, attempts, opts, acked, cpu)
-            committed = dict.fromkeys(acked, 0.0)
             deadline = time.perf_counter() + 10
-            while not set(committed) <= set(counted.first) and time.perf_counter() < deadline:  # noqa: ASYNC110
+            while not set(acked) <= set(counted.first) and time.perf_counter() < deadline:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
-        # The reference is the event row's created_at: clock_timestamp() when the statement wrote
-        # it, after the stream lock was taken, one commit before it became visible (this
-        # machine's clock). A stamp taken in this process after apply() returns lands late
-        # whenever its loop lags (it gave negative latencies); this one is an upper bound.
-        async with db.connection() as conn:
-            rows = await conn.fetch(
-                "SELECT task_id::text AS task_id, task_version,"
-                " extract(epoch FROM created_at)::float8 AS at FROM task_events"
-            )
-        for r in rows:
-            key = (r["task_id"], r["task_version"])
-            if key in committed:
-                committed[key] = r["at"]
         # Where the time goes: the relay round that published the event started at
-        # published_at (its transaction's now()).
+        # published_at (its transaction's now(); this machine's clock, like the stamps).
         async with db.connection() as conn:
             picked = await conn.fetch(
-                "SELECT o.aggregate_id::text AS task_id, o.aggregate_version AS task_version,"
-                " extract(epoch FROM o.published_at - e.created_at)::float8 * 1000 AS ms"
-                " FROM outbox_events o JOIN task_events e ON e.task_id = o.aggregate_id"
-                " AND e.task_version = o.aggregate_version WHERE o.published_at IS NOT NULL"
+                "SELECT aggregate_id::text AS task_id, aggregate_version AS task_version,"
+                " extract(epoch FROM published_at)::float8 AS at"
+                " FROM outbox_events WHERE published_at IS NOT NULL"
             )
     finally:
         await db.close()
-    latencies = [(counted.first[k] - t) * 1000 for k, t in committed.items() if k in counted.first]
-    lost = len(committed) - len(latencies)
+    received = [(k, sent, done) for k, (sent, done) in acked.items() if k in counted.first]
+    latencies = [(counted.first[k] - done) * 1000 for k, _, done in received]
+    upper = [(counted.first[k] - sent) * 1000 for k, sent, _ in received]
+    flush = [(done - sent) * 1000 for _, sent, done in received]
+    lost = len(acked) - len(received)
     p50, p99 = percentile(latencies, 50), percentile(latencies, 99)
     print(
-        f"  latency: event written (just before commit) -> Redis subscriber "
-        f"p50 {p50:.2f} ms  p99 {p99:.2f} ms  "
-        f"max {max(latencies, default=0):.2f} ms  ({len(committed)} events at "
-        f"{len(committed) / seconds:,.0f}/s asked {opts.rate}/s by {opts.writers} writer "
-        f"processes, {given} observations, {lost} not received; writers' scheduler lag p99 "
-        f"{percentile(lag, 99):.1f} ms)",
+        f"  latency: commit (COMMIT returned in the writer) -> Redis subscriber "
+        f"p50 {p50:.2f} ms  p99 {p99:.2f} ms  max {max(latencies, default=0):.2f} ms  "
+        f"({len(acked)} events at {len(acked) / seconds:,.0f}/s asked {opts.rate}/s by "
+        f"{opts.writers} writer processes, {given} observations, {lost} not received; writers' "
+        f"scheduler lag p99 {percentile(lag, 99):.1f} ms)",
         flush=True,
     )
-    relay_start = [r["ms"] for r in picked if (r["task_id"], r["task_version"]) in committed]
-    from_ack = [(counted.first[k] - t) * 1000 for k, t in acked.items() if k in counted.first]
+    round_start = {(r["task_id"], r["task_version"]): r["at"] for r in picked}
+    to_round = [(round_start[k] - done) * 1000 for k, _, done in received if k in round_start]
     print(
-        f"  where: event written -> start of the relay round that published it "
-        f"p50 {percentile(relay_start, 50):.2f} ms  p99 {percentile(relay_start, 99):.2f} ms; "
-        f"commit returned in the writer -> Redis subscriber p50 {percentile(from_ack, 50):.2f} ms"
-        f"  p99 {percentile(from_ack, 99):.2f} ms (a lower bound: the writer's loop lags)",
+        f"  upper bound, from COMMIT sent: p50 {percentile(upper, 50):.2f} ms  "
+        f"p99 {percentile(upper, 99):.2f} ms (the writer's COMMIT itself took p50 "
+        f"{percentile(flush, 50):.2f} ms  p99 {percentile(flush, 99):.2f} ms); where: commit -> "
+        f"start of the relay round that published it p50 {percentile(to_round, 50):.2f} ms  "
+        f"p99 {percentile(to_round, 99):.2f} ms",
         flush=True,
     )
     if single:
@@ -485,18 +479,20 @@ async def _latency(
             f"p99 {percentile(single, 99):.2f} ms",
             flush=True,
         )
-    print(f"  latency CPU (whole phase): {_cpu_line(cpu, len(committed))}", flush=True)
+    print(f"  latency CPU (whole phase): {_cpu_line(cpu, len(acked))}", flush=True)
     return {
         "p50_ms": rounded(p50),
         "p99_ms": rounded(p99),
-        "latency_events": len(committed),
-        "latency_rate_per_s": rounded(len(committed) / seconds, 1),
+        "p50_ms_upper": rounded(percentile(upper, 50)),
+        "p99_ms_upper": rounded(percentile(upper, 99)),
+        "latency_events": len(acked),
+        "latency_rate_per_s": rounded(len(acked) / seconds, 1),
         "latency_missing": lost,
         "latency_writers": opts.writers,
         "single_p50_ms": rounded(percentile(single, 50)) if single else None,
         "single_p99_ms": rounded(percentile(single, 99)) if single else None,
         "latency_cpu_us_per_event": {
-            k: rounded(v / max(len(committed), 1) * 1e6, 1) for k, v in cpu.items()
+            k: rounded(v / max(len(acked), 1) * 1e6, 1) for k, v in cpu.items()
         },
     }
 
@@ -577,7 +573,7 @@ async def _writers(
     settings: Settings,
     attempts: list[uuid.UUID],
     opts: Options,
-    acked: dict[tuple[str, int], float],
+    acked: dict[tuple[str, int], tuple[float, float]],
     cpu: dict[str, float],
 ) -> tuple[int, list[float], float]:
     """``opts.rate`` applies/s for ``opts.seconds`` from ``opts.writers`` processes (one process
@@ -639,9 +635,12 @@ def _writer(spec: WriterSpec, ready: Any, start_at: Any, results: Any) -> None:
     results.put(uvloop.run(_writer_main(spec, ready, start_at)))
 
 
+Stamped = tuple[tuple[str, int], tuple[float, float]]  # (task, version), (COMMIT sent, returned)
+
+
 async def _writer_main(
     spec: WriterSpec, ready: Any, start_at: Any
-) -> tuple[list[tuple[tuple[str, int], float]], list[float], float, float]:
+) -> tuple[list[Stamped], list[float], float, float]:
     db = await Database.connect(
         DatabaseConfig(
             url=spec.database_url,
@@ -664,15 +663,16 @@ async def _writer_main(
 
 async def _steady(
     state: StateService, spec: WriterSpec, start_at: float
-) -> tuple[list[tuple[tuple[str, int], float]], list[float]]:
-    """Start ``spec.total`` applies, one every ``spec.interval`` s (round robin over its tasks)."""
+) -> tuple[list[Stamped], list[float]]:
+    """Start ``spec.total`` applies, one every ``spec.interval`` s (round robin over its tasks);
+    each transaction is the writer's own, so both ends of its COMMIT are stamped."""
     step = max(1, state.policy.min_points)
     attempts = spec.attempts
     progress = [0] * len(attempts)
     sequence = [0] * len(attempts)
     sem = asyncio.Semaphore(spec.workers)
     lag: list[float] = []
-    committed: list[tuple[tuple[str, int], float]] = []
+    committed: list[Stamped] = []
     jobs: list[asyncio.Task[None]] = []
 
     def observation(i: int) -> ProviderObservation:
@@ -692,14 +692,16 @@ async def _steady(
     async def apply(first_i: int, count: int) -> None:
         batch = [observation(i) for i in range(first_i, first_i + count)]
         async with sem:
-            if len(batch) == 1:
-                results = [await state.apply(batch[0])]
-            else:
-                results = await state.apply_many(batch)
-        now = time.time()
+            async with state.db.transaction() as conn:
+                if len(batch) == 1:
+                    results = [await state.apply_in(conn, batch[0])]
+                else:
+                    results = await state.apply_many_in(conn, batch)
+                sent = time.time()
+            done = time.time()
         for result in results:
             if result.outcome is Outcome.APPLIED and result.task_id and result.task_version:
-                committed.append(((str(result.task_id), result.task_version), now))
+                committed.append(((str(result.task_id), result.task_version), (sent, done)))
 
     first = start_at + spec.offset
     size = max(1, spec.batch)
