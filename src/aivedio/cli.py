@@ -97,6 +97,8 @@ def _cmd_run(args: argparse.Namespace, settings: Settings) -> int:
         print(f"unknown role(s): {', '.join(unknown)}; known: {', '.join(ROLES)}", file=sys.stderr)
         return 2
     _check_providers(settings)
+    if args.reuse_port:
+        settings = settings.model_copy(update={"reuse_port": True})
     code: int = run_loop(run_roles(settings, roles, port=args.port))
     return code
 
@@ -238,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="run roles in this process")
     run.add_argument("--role", action="append", required=True, help=", ".join(ROLES))
     run.add_argument("--port", type=int, default=None)
+    run.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="bind with SO_REUSEPORT: start one such process per core on the same port "
+        "(AIVEDIO_REUSE_PORT=1)",
+    )
     run.set_defaults(func=_cmd_run)
 
     demo = sub.add_parser("demo", help="everything on embedded services, with the web UI")

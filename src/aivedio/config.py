@@ -73,6 +73,7 @@ class Settings(BaseSettings):
     public_url: str = "http://127.0.0.1:8000"
     host: str = "127.0.0.1"
     port: int = 8000
+    reuse_port: bool = False  # SO_REUSEPORT: several `aivedio run` processes on one port
     db_pool_min: int = 2
     db_pool_max: int = 10
     db_acquire_timeout_s: float = 2.0

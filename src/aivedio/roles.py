@@ -219,7 +219,11 @@ async def serve(rt: Runtime, roles: Sequence[str], port: int) -> int:
         routes = [r for p in parts for r in p.routes]
         app = create_app(rt.db, rt.tasks, rt.settings.api, extra_routes=routes)
         gateway = next((p.gateway for p in parts if p.gateway is not None), None)
-        start(serve_http(app, rt.settings.host, port, gateway, stopping))
+        start(
+            serve_http(
+                app, rt.settings.host, port, gateway, stopping, reuse_port=rt.settings.reuse_port
+            )
+        )
     log(logger, logging.INFO, "roles running", roles=list(roles), port=port if http else None)
     await stopping.wait()
     log(logger, logging.INFO, "stopping", roles=list(roles))

@@ -103,6 +103,28 @@ def test_migrate_create_project_and_run_api(
     assert proc.wait(timeout=15) == 0
 
 
+def test_run_reuse_port_shares_one_port_between_processes(
+    env: dict[str, str], started: list[subprocess.Popen[str]]
+) -> None:
+    """``--reuse-port`` (or AIVEDIO_REUSE_PORT=1): a second process serves the same port instead
+    of failing; a process without it still fails to bind there."""
+    port = free_port()
+    base = [sys.executable, "-m", "aivedio", "run", "--role", "api", "--port", str(port)]
+    for command, extra in (([*base, "--reuse-port"], {}), (base, {"AIVEDIO_REUSE_PORT": "1"})):
+        proc = subprocess.Popen(
+            command, env=env | extra, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        started.append(proc)
+        wait_ready(f"http://127.0.0.1:{port}/readyz", proc)
+    time.sleep(0.5)  # the second one is bound and serving too, not exiting
+    assert all(p.poll() is None for p in started)
+    plain = subprocess.run(base, env=env, capture_output=True, text=True, timeout=60)
+    assert plain.returncode != 0
+    for proc in started:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+
+
 def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "aivedio", *args],

@@ -6,10 +6,12 @@ In one invocation, on one scratch database (created, migrated, dropped):
    into ``provider_callback_inbox`` (``-M prepared -j 2``, unique keys from ``:client_id`` and a
    random number) for each client count in ``pgbench_clients``; the best TPS is the ceiling: what
    PostgreSQL does with one commit per row on this machine.
-2. The table is emptied; the production HTTP server runs in this process, on uvloop (``loop``):
-   ``serve_http`` with its sniffer, so ``POST /v1/callbacks/{provider}`` takes the lean HTTP/1.1
-   path (``path=lean``; ``path=asgi`` serves it through uvicorn, Starlette and the trace
-   middleware instead, for comparison), Standard Webhooks verification, group-commit inbox writer.
+2. The table is emptied; the production HTTP server runs in ``server_processes`` processes (one
+   per CPU by default) sharing the port with ``SO_REUSEPORT`` (1: in this process), on uvloop
+   (``loop``): ``serve_http`` with its sniffer, so ``POST /v1/callbacks/{provider}`` takes the
+   lean HTTP/1.1 path (``path=lean``; ``path=asgi`` serves it through uvicorn, Starlette and the
+   trace middleware instead, for comparison), Standard Webhooks verification, group-commit inbox
+   writer.
 3. Load generators in ``client_processes`` separate processes (uvloop protocols on raw HTTP/1.1
    keep-alive sockets, one request in flight per connection, requests signed from a template:
    the client costs little CPU) send validly signed callbacks with distinct ids, all starting at
@@ -42,7 +44,7 @@ import uuid
 from array import array
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
@@ -98,6 +100,10 @@ class IngestOptions:
     """The server's event loop: uvloop (as ``aivedio run``) or asyncio."""
     client_processes: int = 1
     """Load-generator processes (connections and rate split between them)."""
+    server_processes: int = 0
+    """Server processes on the port; 0: one per CPU. 1 serves in this process; more start that
+    many processes binding it with ``SO_REUSEPORT``, as ``aivedio run --reuse-port`` once per
+    core would (each with its own pool of ``pool_size`` and its own group commit)."""
 
 
 # --- the load generator (runs in its own processes) ---------------------------------------------
@@ -423,8 +429,11 @@ def _free_port() -> int:
 
 
 @contextlib.asynccontextmanager
-async def _server(url: str, opts: IngestOptions) -> AsyncIterator[tuple[int, Database]]:
-    """The production HTTP server (``serve_http``: sniffer, lean callback path) on a free port."""
+async def _server(
+    url: str, opts: IngestOptions, port: int | None = None, reuse_port: bool = False
+) -> AsyncIterator[int]:
+    """The production HTTP server (``serve_http``: sniffer, lean callback path) on ``port`` (a
+    free one by default)."""
     db = await Database.connect(
         DatabaseConfig(url=url, min_size=opts.pool_size, max_size=opts.pool_size)
     )
@@ -442,9 +451,9 @@ async def _server(url: str, opts: IngestOptions) -> AsyncIterator[tuple[int, Dat
         routes=callback_routes(CallbackConfig(), {PROVIDER: provider}, writer),
         middleware=[Middleware(TraceMiddleware)],
     )
-    port = _free_port()
+    port = port or _free_port()
     stopping = asyncio.Event()
-    options: dict[str, Any] = {"backlog": 4096}
+    options: dict[str, Any] = {"backlog": 4096, "reuse_port": reuse_port}
     if opts.path == "asgi":
         options["http"] = opts.http
     serving = asyncio.create_task(
@@ -461,12 +470,74 @@ async def _server(url: str, opts: IngestOptions) -> AsyncIterator[tuple[int, Dat
                 probe.close()
                 break
             await asyncio.sleep(0.02)
-        yield port, db
+        yield port
     finally:
         stopping.set()
         await serving
         await writer.close()
         await db.close()
+
+
+def server_main() -> int:
+    """Entry of a server process (``server_processes`` > 1): parameters on the first stdin line,
+    ``ready`` once listening, serves until the next stdin line."""
+    params = json.loads(sys.stdin.readline())
+    opts = IngestOptions(**params["opts"])
+
+    async def serve() -> None:
+        async with _server(params["url"], opts, params["port"], reuse_port=True):
+            sys.stdout.write("ready\n")
+            sys.stdout.flush()
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+
+    if opts.loop == "uvloop":
+        import uvloop
+
+        uvloop.run(serve())
+    else:
+        asyncio.run(serve())
+    return 0
+
+
+@contextlib.asynccontextmanager
+async def _servers(url: str, opts: IngestOptions) -> AsyncIterator[int]:
+    """``_server`` in this process, or ``server_processes`` of them sharing one port."""
+    if opts.server_processes == 1:
+        async with _server(url, opts) as port:
+            yield port
+        return
+    port = _free_port()
+    params = json.dumps({"url": url, "opts": asdict(opts), "port": port}).encode() + b"\n"
+    procs = []
+    try:
+        for _ in range(opts.server_processes):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-c",
+                "import sys; from aivedio.bench.ingest import server_main; sys.exit(server_main())",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+            )
+            procs.append(proc)
+            assert proc.stdin is not None
+            proc.stdin.write(params)
+        for proc in procs:
+            assert proc.stdout is not None
+            if (await proc.stdout.readline()).strip() != b"ready":
+                raise RuntimeError("a server process did not start")
+        yield port
+    finally:
+        for proc in procs:
+            if proc.returncode is None and proc.stdin is not None:
+                proc.stdin.write(b"stop\n")
+                with contextlib.suppress(ConnectionError):
+                    await proc.stdin.drain()
+        for proc in procs:
+            try:
+                await asyncio.wait_for(proc.wait(), 30)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -501,7 +572,7 @@ async def _main(settings: Settings, opts: IngestOptions) -> dict[str, Any]:
         conn_db = await Database.connect(DatabaseConfig(url=url, min_size=1, max_size=1))
         async with conn_db.connection() as conn:
             await conn.execute("TRUNCATE provider_callback_inbox")
-        async with _server(url, opts) as (port, _db):
+        async with _servers(url, opts) as port:
             run_id = uuid.uuid4().hex[:8]
             common = {"port": port, "connections": opts.connections, "seconds": opts.seconds}
             procs = opts.client_processes
@@ -542,8 +613,12 @@ def _http_impl(choice: str) -> str:
 
 def run(settings: Settings, options: Mapping[str, str]) -> int:
     opts = build_options(IngestOptions, options)
-    if opts.seconds <= 0 or opts.connections <= 0 or opts.client_processes <= 0:
-        raise BenchUsageError("seconds, connections and client_processes must be positive")
+    if opts.server_processes == 0:
+        opts = replace(opts, server_processes=os.cpu_count() or 1)
+    if min(opts.seconds, opts.connections, opts.client_processes, opts.server_processes) <= 0:
+        raise BenchUsageError(
+            "seconds, connections, client_processes and server_processes must be positive"
+        )
     if opts.connections < opts.client_processes:
         raise BenchUsageError("at least one connection per client process")
     if opts.path not in ("lean", "asgi") or opts.loop not in ("uvloop", "asyncio"):
@@ -593,6 +668,7 @@ def run(settings: Settings, options: Mapping[str, str]) -> int:
             "http": _http_impl(opts.http) if opts.path == "asgi" else "httptools (lean)",
             "loop": opts.loop,
             "client_processes": opts.client_processes,
+            "server_processes": opts.server_processes,
             "stored_rows": r["stored"],
             "answered_204": r["accepted"],
         }

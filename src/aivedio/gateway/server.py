@@ -285,10 +285,16 @@ async def serve_http(
     gateway: Gateway | None,
     stopping: asyncio.Event,
     callbacks: CallbackServer | Literal["auto"] | None = "auto",
+    *,
+    reuse_port: bool = False,
     **options: Any,
 ) -> None:
     """Serve ``app``, the gateway's SSE path and the lean callback path on one port until
     ``stopping`` is set.
+
+    ``reuse_port``: bind with ``SO_REUSEPORT``, so several processes serve the same port and the
+    kernel spreads new connections over them (``AIVEDIO_REUSE_PORT``; one Python process uses one
+    core: this is how the callback path uses the others).
 
     ``callbacks="auto"`` serves the callback endpoint mounted in ``app`` (by ``callback_routes``)
     on the lean path, when there is one; ``None`` leaves every callback to the ASGI route.
@@ -299,22 +305,48 @@ async def serve_http(
     """
     if callbacks == "auto":
         callbacks = callback_server(app, float(options.get("timeout_keep_alive", 5)))
-    server = QuietServer(http_config(app, host, port, gateway, callbacks, **options))
+    config = http_config(app, host, port, gateway, callbacks, **options)
+    server = QuietServer(config)
+    sockets = [reuse_port_socket(host, port, config.backlog)] if reuse_port else None
     # Everything built so far (modules, the app, pools) lives as long as the process: out of the
     # collector's sight (after one last collection), a full collection no longer walks it; it
     # took ~70 ms with the app's modules loaded, a pause felt in the callbacks' P99.
     gc.collect()
     gc.freeze()
     try:
-        await _serve(server, gateway, stopping)
+        await _serve(server, gateway, stopping, sockets)
     finally:
-        gc.unfreeze()  # what was frozen may become garbage now (a process that serves again)
+        gc.unfreeze()
+        for sock in sockets or ():
+            sock.close()  # what was frozen may become garbage now (a process that serves again)
 
 
-async def _serve(server: QuietServer, gateway: Gateway | None, stopping: asyncio.Event) -> None:
+def reuse_port_socket(host: str, port: int, backlog: int) -> socket.socket:
+    """A listening TCP socket on (host, port) with ``SO_REUSEPORT`` (and ``SO_REUSEADDR``, as
+    uvicorn binds), shared with every other process that binds it so."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def _serve(
+    server: QuietServer,
+    gateway: Gateway | None,
+    stopping: asyncio.Event,
+    sockets: list[socket.socket] | None = None,
+) -> None:
     if gateway is not None:
         await gateway.start()
-    serving = asyncio.create_task(server.serve())
+    serving = asyncio.create_task(server.serve(sockets))
     stop = asyncio.create_task(stopping.wait())
     try:
         await asyncio.wait({serving, stop}, return_when=asyncio.FIRST_COMPLETED)
