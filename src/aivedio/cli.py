@@ -15,6 +15,8 @@ import uuid
 from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any
 
+import pydantic
+
 from aivedio.config import Settings
 from aivedio.errors import ConfigError
 
@@ -317,7 +319,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    settings = Settings.from_env()
+    try:
+        settings = Settings.from_env()
+    except pydantic.ValidationError as exc:
+        for error in exc.errors():
+            name = "AIVEDIO_" + "_".join(str(part) for part in error["loc"]).upper()
+            print(f"aivedio: configuration error: {name}: {error['msg']}", file=sys.stderr)
+        return 2
     func: Callable[[argparse.Namespace, Settings], int] = args.func
     try:
         return func(args, settings)

@@ -74,6 +74,7 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     reuse_port: bool = False  # SO_REUSEPORT: several `aivedio run` processes on one port
+    callback_max_inflight: int = Field(default=2, ge=1)  # group-commit batches at once
     db_pool_min: int = 2
     db_pool_max: int = 10
     db_acquire_timeout_s: float = 2.0

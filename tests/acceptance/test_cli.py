@@ -158,6 +158,24 @@ def test_unknown_role_is_refused(env: dict[str, str]) -> None:
     assert "unknown role" in out.stderr
 
 
+@pytest.mark.parametrize(
+    ("variable", "value"), [("AIVEDIO_CALLBACK_MAX_INFLIGHT", "0"), ("AIVEDIO_PORT", "eighty")]
+)
+def test_a_bad_setting_is_named_without_a_traceback(
+    env: dict[str, str], variable: str, value: str
+) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "aivedio", "run", "--role", "callbacks"],
+        env=env | {variable: value},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert f"configuration error: {variable}:" in out.stderr
+    assert "Traceback" not in out.stderr and value not in out.stderr
+
+
 def read_events_until_ready(url: str, headers: dict[str, str], task_id: list[str]) -> list[dict]:
     """Read the project's SSE stream until the task (id filled in by the caller) is ready."""
     seen: list[dict] = []

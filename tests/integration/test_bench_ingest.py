@@ -33,3 +33,7 @@ def test_ingest_bench_accounts_for_every_callback(
     assert figures["ceiling_per_s"] > 0 and figures["per_s"] > 0
     assert figures["half_rate_per_s"] > 0
     assert figures["stored_rows"] == figures["answered_204"] > 0
+    # pgbench and the max-rate phase alternate (2 runs each by default); the best of each counts
+    assert len(figures["max_rate_runs"]) == len(figures["pgbench_runs"]["2"]) == 2
+    assert figures["per_s"] == max(figures["max_rate_runs"])
+    assert figures["ceiling_per_s"] == max(figures["pgbench_runs"]["2"])

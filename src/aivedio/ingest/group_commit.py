@@ -43,6 +43,7 @@ from enum import StrEnum
 from typing import ClassVar
 
 import asyncpg
+import orjson
 from prometheus_client import Gauge, Histogram
 
 from aivedio.db.pool import Database
@@ -141,32 +142,37 @@ class GroupCommitConfig:
     queue behind it. 1: one batch after the other."""
 
 
+# The batch travels as ONE parameter, JSON text read as jsonb (text: the pool's jsonb codec would
+# encode the string again): an array of rows, each an array in this column order, the stored
+# payload spliced in as a JSON value (not a string), so PostgreSQL parses it once, with the
+# rest. Against 14 typed array parameters (unnest), measured: asyncpg spent ~5 us of CPU per row
+# encoding the arrays (timestamps, text, bytea), orjson ~1 us here; the callback server's CPU
+# per callback went from 86 to 76 us at the max rate (bench ingest, two server processes).
 _COLUMNS = (
-    ("provider", "text"),
-    ("dedup_key", "text"),
-    ("provider_event_id", "text"),
-    ("provider_task_id", "text"),
-    ("client_request_id", "text"),
-    ("provider_occurred_at", "timestamptz"),
-    ("received_at", "timestamptz"),
-    ("signature_key_version", "text"),
-    ("payload_hash", "bytea"),
-    ("payload", "text"),  # serialized JSON, cast to jsonb below
-    ("trace_id", "text"),
-    ("event_type", "text"),
-    ("attempt_id", "text"),
-    ("payload_authenticated", "boolean"),
+    ("provider", "r->>0"),
+    ("dedup_key", "r->>1"),
+    ("provider_event_id", "r->>2"),
+    ("provider_task_id", "r->>3"),
+    ("client_request_id", "r->>4"),
+    ("provider_occurred_at", "(r->>5)::timestamptz"),
+    ("received_at", "(r->>6)::timestamptz"),
+    ("signature_key_version", "r->>7"),
+    ("payload_hash", "decode(r->>8, 'hex')"),
+    ("payload", "nullif(r->9, 'null'::jsonb)"),  # JSON null -> SQL NULL (no payload kept)
+    ("trace_id", "r->>10"),
+    ("event_type", "r->>11"),
+    ("attempt_id", "r->>12"),
+    ("payload_authenticated", "(r->>13)::boolean"),
 )
 
 INSERT_BATCH = """
 INSERT INTO provider_callback_inbox ({names})
-SELECT {selected} FROM unnest({params}) AS t({names})
+SELECT {selected} FROM jsonb_array_elements($1::text::jsonb) AS r
 ON CONFLICT (provider, dedup_key) DO NOTHING
 RETURNING provider, dedup_key
 """.format(
     names=", ".join(name for name, _ in _COLUMNS),
-    selected=", ".join(f"{n}::jsonb" if n == "payload" else n for n, _ in _COLUMNS),
-    params=", ".join(f"${i}::{kind}[]" for i, (_, kind) in enumerate(_COLUMNS, start=1)),
+    selected=", ".join(expression for _, expression in _COLUMNS),
 )
 
 EXPIRE_PAYLOADS = """
@@ -175,23 +181,33 @@ WHERE process_status = 'processed' AND payload IS NOT NULL AND processed_at < $1
 """
 
 
-def _columns(rows: list[InboxRow]) -> list[list[object]]:
-    return [
-        [r.provider for r in rows],
-        [r.dedup_key for r in rows],
-        [r.provider_event_id for r in rows],
-        [r.provider_task_id for r in rows],
-        [r.client_request_id for r in rows],
-        [r.provider_occurred_at for r in rows],
-        [r.received_at for r in rows],
-        [r.signature_key_version for r in rows],
-        [r.payload_hash for r in rows],
-        [r.payload_json for r in rows],
-        [r.trace_id for r in rows],
-        [r.event_type for r in rows],
-        [r.attempt_id for r in rows],
-        [r.payload_authenticated for r in rows],
-    ]
+def _batch_json(rows: list[InboxRow]) -> str:
+    """The ``INSERT_BATCH`` parameter: ``[[provider, dedup_key, ..., payload, ...], ...]``.
+
+    Each row is two orjson arrays with the payload's own JSON text between them (already
+    serialized by the adapter: spliced, not re-encoded); timestamps as RFC 3339, the hash in hex.
+    A payload that is not valid JSON makes PostgreSQL refuse the batch, and the writer then
+    inserts its rows one by one, as for any refused row."""
+    parts = []
+    for r in rows:
+        head = orjson.dumps(
+            [
+                r.provider,
+                r.dedup_key,
+                r.provider_event_id,
+                r.provider_task_id,
+                r.client_request_id,
+                r.provider_occurred_at,
+                r.received_at,
+                r.signature_key_version,
+                r.payload_hash.hex(),
+            ],
+            option=orjson.OPT_NAIVE_UTC,  # as asyncpg sent a naive datetime: UTC
+        )
+        tail = orjson.dumps([r.trace_id, r.event_type, r.attempt_id, r.payload_authenticated])
+        payload = r.payload_json if r.payload_json is not None else "null"
+        parts.append(f"{head[:-1].decode()},{payload},{tail[1:].decode()}")
+    return "[" + ",".join(parts) + "]"
 
 
 _UNENCODABLE = re.compile(r"[\x00\ud800-\udfff]")
@@ -384,7 +400,7 @@ class InboxWriter:
 
     async def _insert(self, rows: list[InboxRow]) -> set[tuple[str, str]]:
         async with self.db.connection() as conn:
-            records = await conn.fetch(INSERT_BATCH, *_columns(rows))
+            records = await conn.fetch(INSERT_BATCH, _batch_json(rows))
         return {(r["provider"], r["dedup_key"]) for r in records}
 
     async def _flush_one_by_one(self, unique: list[_Waiter], repeats: list[_Waiter]) -> None:
