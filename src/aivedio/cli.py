@@ -137,8 +137,10 @@ def _cmd_inbox(args: argparse.Namespace, settings: Settings) -> int:
         db = await _database(settings)
         try:
             if args.inbox_command == "dead-letters":
-                for row in await list_dead_letters(db, args.limit):
+                rows = await list_dead_letters(db, args.limit)
+                for row in rows:
                     _print_json(row)
+                _print_json({"count": len(rows)})  # as bus and outbox dead-letters end
                 return 0
             ok = await replay(db, args.id)
             _print_json({"id": args.id, "requeued": ok})

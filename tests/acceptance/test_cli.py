@@ -136,7 +136,9 @@ def run_cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]
 
 
 def test_operator_commands_answer_in_json_lines(env: dict[str, str]) -> None:
-    assert run_cli(env, "inbox", "dead-letters").returncode == 0
+    dead = run_cli(env, "inbox", "dead-letters")
+    assert dead.returncode == 0
+    assert json.loads(dead.stdout.splitlines()[-1]) == {"count": 0}
     assert run_cli(env, "reconcile", "list", "--state", "all").stdout == ""
     missing = run_cli(env, "tasks", "resubmit", str(uuid.uuid4()), "--reason", "test")
     assert missing.returncode == 1
