@@ -328,6 +328,19 @@ def client_main() -> int:
     return 0
 
 
+async def _spawn(entry: str) -> asyncio.subprocess.Process:
+    """A child process running ``aivedio.bench.ingest.<entry>()``, JSON lines on its stdin and
+    stdout (a client's result line holds every latency: up to 256 MiB)."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        f"import sys; from aivedio.bench.ingest import {entry}; sys.exit({entry}())",
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        limit=1 << 28,
+    )
+
+
 async def _run_clients(processes: int, params: dict[str, Any]) -> dict[str, Any]:
     """Run the load in ``processes`` processes at once (connections and rate split between
     them, one run id each); their results merged."""
@@ -340,14 +353,7 @@ async def _run_clients(processes: int, params: dict[str, Any]) -> dict[str, Any]
         }
         if "rate" in params:
             share["rate"] = params["rate"] / processes
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-c",
-            "import sys; from aivedio.bench.ingest import client_main; sys.exit(client_main())",
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            limit=1 << 28,
-        )
+        proc = await _spawn("client_main")
         assert proc.stdin is not None
         assert proc.stdout is not None
         proc.stdin.write(json.dumps(share).encode() + b"\n")
@@ -517,13 +523,7 @@ async def _servers(url: str, opts: IngestOptions) -> AsyncIterator[int]:
     procs = []
     try:
         for _ in range(opts.server_processes):
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-c",
-                "import sys; from aivedio.bench.ingest import server_main; sys.exit(server_main())",
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
-            )
+            proc = await _spawn("server_main")
             procs.append(proc)
             assert proc.stdin is not None
             proc.stdin.write(params)
