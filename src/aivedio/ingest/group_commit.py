@@ -266,6 +266,9 @@ class InboxWriter:
         self._wakeup = asyncio.Event()
         self._full = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        # The flusher's loop, kept: asyncio.get_running_loop() makes a getpid() system call
+        # (glibc no longer caches it), which was 3 % of the callback server's CPU per submit.
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
         _WRITERS.add(self)
 
@@ -274,9 +277,8 @@ class InboxWriter:
     def start(self) -> None:
         """Start the flusher on the running event loop."""
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(
-                self._run(), name="inbox-group-commit"
-            )
+            self._loop = asyncio.get_running_loop()
+            self._task = self._loop.create_task(self._run(), name="inbox-group-commit")
 
     async def close(self) -> None:
         """Refuse new rows, commit what is queued (bounded by ``drain_timeout_s``), stop."""
@@ -304,12 +306,13 @@ class InboxWriter:
         """Queue ``row`` and wait until its batch committed; its own outcome, or an error:
         :class:`DatabaseUnavailable`, :class:`InboxError`, :class:`InboxFull`,
         :class:`InboxClosed`."""
-        if self._closing or self._task is None:
+        loop = self._loop
+        if self._closing or self._task is None or loop is None:
             raise InboxClosed("the inbox writer is not running")
         if len(self._queue) >= self.config.max_queue:
             raise InboxFull("the callback inbox queue is full")
         _check_row(row)
-        waiter = _Waiter(row, asyncio.get_running_loop().create_future())
+        waiter = _Waiter(row, loop.create_future())
         self._queue.append(waiter)
         self._wakeup.set()
         if len(self._queue) >= self.config.max_batch:
@@ -319,6 +322,7 @@ class InboxWriter:
     # -- the flusher ------------------------------------------------------------------------
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         slots = asyncio.Semaphore(max(1, self.config.max_inflight))
         inflight: set[asyncio.Task[None]] = set()
 
@@ -342,7 +346,7 @@ class InboxWriter:
                 await slots.acquire()  # a batch in flight is done; rows queue meanwhile
                 count = min(len(self._queue), self.config.max_batch)
                 batch = [self._queue.popleft() for _ in range(count)]
-                task = asyncio.get_running_loop().create_task(self._flush_batch(batch))
+                task = loop.create_task(self._flush_batch(batch))
                 inflight.add(task)
                 task.add_done_callback(finished)
             if inflight:
