@@ -316,9 +316,9 @@ async def serve_http(
     try:
         await _serve(server, gateway, stopping, sockets)
     finally:
-        gc.unfreeze()
+        gc.unfreeze()  # what was frozen may become garbage now (a process that serves again)
         for sock in sockets or ():
-            sock.close()  # what was frozen may become garbage now (a process that serves again)
+            sock.close()
 
 
 def reuse_port_socket(host: str, port: int, backlog: int) -> socket.socket:

@@ -5,7 +5,8 @@ Each callback request hands its row to :meth:`InboxWriter.submit` and waits. One
 ``max_inflight`` slots is free (after lingering ``linger_s`` for more, when set), and inserts
 them all with ONE statement::
 
-    INSERT INTO provider_callback_inbox (...) SELECT * FROM unnest($1::text[], ...)
+    INSERT INTO provider_callback_inbox (...)
+    SELECT r->>0, r->>1, ... FROM jsonb_array_elements($1::text::jsonb) AS r
     ON CONFLICT (provider, dedup_key) DO NOTHING RETURNING provider, dedup_key
 
 Up to ``max_inflight`` batches are in flight at once, each on its own pool connection, so the next
@@ -102,7 +103,8 @@ class InboxClosed(AivedioError):
 
 @dataclass(slots=True, kw_only=True)
 class InboxRow:
-    """One callback as stored. ``payload_json`` is the minimized payload, already serialized.
+    """One callback as stored. ``payload_json`` is the minimized payload, already serialized as
+    one JSON document (the gateway's parse guarantees it; the batch splices it in as is).
     (Not frozen: a frozen dataclass's ``__init__`` costs 2x, once per callback; never changed
     after it is built all the same.)"""
 
