@@ -18,6 +18,7 @@ import nats.js.errors
 import redis.asyncio as aioredis
 
 from aivedio.bus import BusConfig
+from aivedio.bus.jetstream import JetStreamBus
 from aivedio.db.pool import Database
 from aivedio.domain.observation import ProviderObservation, ProviderStatus, Source
 from aivedio.domain.transitions import Outcome
@@ -48,6 +49,19 @@ async def delete_streams(url: str, cfg: BusConfig) -> None:
                 await js.delete_stream(name)
     finally:
         await nc.close()
+
+
+@contextlib.asynccontextmanager
+async def private_bus(url: str, **overrides: Any) -> AsyncIterator[JetStreamBus]:
+    """A JetStream bus on a stream of its own (``bus_config``); closed and its streams deleted
+    afterwards."""
+    cfg = bus_config(url, **overrides)
+    bus = await JetStreamBus.connect(cfg)
+    try:
+        yield bus
+    finally:
+        await bus.close()
+        await delete_streams(url, cfg)
 
 
 async def stream_messages(url: str, cfg: BusConfig) -> list[tuple[str, bytes]]:

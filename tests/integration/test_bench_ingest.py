@@ -37,3 +37,8 @@ def test_ingest_bench_accounts_for_every_callback(
     assert len(figures["max_rate_runs"]) == len(figures["pgbench_runs"]["2"]) == 2
     assert figures["per_s"] == max(figures["max_rate_runs"])
     assert figures["ceiling_per_s"] == max(figures["pgbench_runs"]["2"])
+    # CPU per callback by side, read from /proc (PostgreSQL: None only if it is not local)
+    cpu = figures["cpu_us_per_callback"]
+    assert cpu["servers"] > 0 and cpu["clients"] > 0
+    assert cpu["postgres"] is None or cpu["postgres"] > 0
+    assert figures["pgbench_client_cpu_us_per_tx"] > 0

@@ -12,22 +12,18 @@ from collections.abc import AsyncIterator, Sequence
 
 import pytest
 
-from aivedio.bus import Bus, BusConfig, BusError, OutgoingMessage, PublishAck
-from aivedio.bus.jetstream import JetStreamBus
+from aivedio.bus import Bus, BusError, OutgoingMessage, PublishAck
 from aivedio.db.pool import Database
 from aivedio.propagation.outbox_admin import list_dead_letters, replay
 from aivedio.propagation.relay import OutboxRelay, RelayConfig
 from tests.integration.helpers import make_project, make_task, store
-from tests.integration.propagation import bus_config, delete_streams, outbox_counts
+from tests.integration.propagation import outbox_counts, private_bus
 
 
 @pytest.fixture
 async def bus(nats_url: str) -> AsyncIterator[Bus]:
-    cfg: BusConfig = bus_config(nats_url)
-    b = await JetStreamBus.connect(cfg)
-    yield b
-    await b.close()
-    await delete_streams(nats_url, cfg)
+    async with private_bus(nats_url) as b:
+        yield b
 
 
 class RejectingBus:

@@ -7,17 +7,15 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from aivedio.bus import Bus, BusConfig
-from aivedio.bus.jetstream import JetStreamBus
+from aivedio.bus import Bus
 from aivedio.db.pool import Database
 from aivedio.propagation.relay import OutboxRelay, RelayConfig
 from aivedio.state.service import StateService
 from tests.integration.helpers import make_project, make_task, store
 from tests.integration.propagation import (
     advance,
-    bus_config,
-    delete_streams,
     outbox_counts,
+    private_bus,
     running,
     wait_until,
 )
@@ -25,11 +23,8 @@ from tests.integration.propagation import (
 
 @pytest.fixture
 async def bus(nats_url: str) -> AsyncIterator[Bus]:
-    cfg: BusConfig = bus_config(nats_url)
-    b = await JetStreamBus.connect(cfg)
-    yield b
-    await b.close()
-    await delete_streams(nats_url, cfg)
+    async with private_bus(nats_url) as b:
+        yield b
 
 
 async def vacuums(db: Database) -> int:

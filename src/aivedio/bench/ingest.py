@@ -36,6 +36,7 @@ import json
 import math
 import os
 import re
+import resource
 import socket
 import sys
 import tempfile
@@ -43,8 +44,8 @@ import time
 import uuid
 from array import array
 from collections import deque
-from collections.abc import AsyncIterator, Mapping
-from dataclasses import asdict, dataclass, replace
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, cast
 from urllib.parse import unquote, urlsplit
 
@@ -304,6 +305,7 @@ async def _client(params: dict[str, Any]) -> dict[str, Any]:
     start_wall = float(sys.stdin.readline())  # every client process starts at this instant
     start = time.perf_counter() + (start_wall - time.time())
     await asyncio.sleep(max(0.0, start - time.perf_counter()))
+    cpu = time.process_time()
     if params["mode"] == "closed":
         await load.closed(conns, start, params["warmup"], params["seconds"])
     else:
@@ -315,6 +317,7 @@ async def _client(params: dict[str, Any]) -> dict[str, Any]:
         "window": params["seconds"],
         "latencies": list(load.latencies),
         "statuses": load.statuses,
+        "cpu_s": time.process_time() - cpu,  # the run, warm-up included, not the start-up
     }
 
 
@@ -369,7 +372,12 @@ async def _run_clients(processes: int, params: dict[str, Any]) -> dict[str, Any]
         assert proc.stdin is not None
         proc.stdin.write(start)
         await proc.stdin.drain()
-    merged: dict[str, Any] = {"window": params["seconds"], "latencies": [], "statuses": {}}
+    merged: dict[str, Any] = {
+        "window": params["seconds"],
+        "latencies": [],
+        "statuses": {},
+        "cpu_s": 0.0,
+    }
     for proc in procs:
         assert proc.stdout is not None
         line = await proc.stdout.readline()
@@ -377,6 +385,7 @@ async def _run_clients(processes: int, params: dict[str, Any]) -> dict[str, Any]
             raise RuntimeError(f"load generator exited with {proc.returncode}")
         result = json.loads(line)
         merged["latencies"].extend(result["latencies"])
+        merged["cpu_s"] += result["cpu_s"]
         for status, count in result["statuses"].items():
             merged["statuses"][status] = merged["statuses"].get(status, 0) + count
     return merged
@@ -405,6 +414,10 @@ def _pgbench_script() -> str:
     return _PGBENCH_SCRIPT.format(hash=hashlib.sha256(sample).hexdigest(), payload=payload)
 
 
+def _pgbench_seconds(seconds: float) -> int:
+    return max(1, round(seconds))  # pgbench -T takes whole seconds
+
+
 async def _pgbench(url: str, clients: int, seconds: float) -> float:
     binary = pgbench_path()
     if binary is None:
@@ -418,7 +431,7 @@ async def _pgbench(url: str, clients: int, seconds: float) -> float:
     try:
         proc = await asyncio.create_subprocess_exec(
             binary, "-n", "-M", "prepared", "-c", str(clients), "-j", "2",
-            "-T", str(max(1, round(seconds))), "-f", script.name,
+            "-T", str(_pgbench_seconds(seconds)), "-f", script.name,
             "-h", parts.hostname or "127.0.0.1", "-p", str(parts.port or 5432),
             "-U", unquote(parts.username or "postgres"), parts.path.lstrip("/"),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
@@ -514,11 +527,12 @@ def server_main() -> int:
 
 
 @contextlib.asynccontextmanager
-async def _servers(url: str, opts: IngestOptions) -> AsyncIterator[int]:
-    """``_server`` in this process, or ``server_processes`` of them sharing one port."""
+async def _servers(url: str, opts: IngestOptions) -> AsyncIterator[tuple[int, list[int]]]:
+    """``_server`` in this process, or ``server_processes`` of them sharing one port; yields the
+    port and the server processes' pids."""
     if opts.server_processes == 1:
         async with _server(url, opts) as port:
-            yield port
+            yield port, [os.getpid()]
         return
     port = _free_port()
     params = json.dumps({"url": url, "opts": asdict(opts), "port": port}).encode() + b"\n"
@@ -533,7 +547,7 @@ async def _servers(url: str, opts: IngestOptions) -> AsyncIterator[int]:
             assert proc.stdout is not None
             if (await proc.stdout.readline()).strip() != b"ready":
                 raise RuntimeError("a server process did not start")
-        yield port
+        yield port, [proc.pid for proc in procs]
     finally:
         for proc in procs:
             if proc.returncode is None and proc.stdin is not None:
@@ -548,6 +562,49 @@ async def _servers(url: str, opts: IngestOptions) -> AsyncIterator[int]:
                 await proc.wait()
 
 
+# --- CPU per callback ----------------------------------------------------------------------------
+
+
+def _cpu_s(pids: Sequence[int], command: bytes | None = None) -> float | None:
+    """User + system CPU seconds of these processes so far (Linux ``/proc``); None when one
+    cannot be read, or (``command``) is not that program: a remote PostgreSQL's backend pids
+    mean nothing here."""
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+            if command is not None:
+                with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+                    if command not in cmdline.read():
+                        return None
+        except OSError:
+            return None
+        total += int(fields[11]) + int(fields[12])  # utime, stime in clock ticks
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+async def _backend_pids(conn_db: Database) -> list[int]:
+    """The PostgreSQL backends of the servers' pools (this database's other client backends)."""
+    async with conn_db.connection() as conn:
+        rows = await conn.fetch(
+            "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+            " AND backend_type = 'client backend' AND pid <> pg_backend_pid()"
+        )
+    return [row["pid"] for row in rows]
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _per_answer(before: float | None, after: float | None, answers: int) -> float | None:
+    if before is None or after is None or answers == 0:
+        return None
+    return (after - before) / answers * 1e6
+
+
 # --- the run -------------------------------------------------------------------------------------
 
 
@@ -559,11 +616,15 @@ class Phase:
     p50_ms: float
     p95_ms: float
     p99_ms: float
+    cpu_us: dict[str, float | None] = field(default_factory=dict)
+    """CPU per answered request over the phase (warm-up included): ``servers``, ``clients``,
+    ``postgres`` (the servers' backends; None when PostgreSQL is not on this machine)."""
 
 
-def _phase(result: Mapping[str, Any]) -> Phase:
+def _phase(result: Mapping[str, Any], cpu_us: dict[str, float | None] | None = None) -> Phase:
     ms = [x * 1000 for x in result["latencies"]]
     return Phase(
+        cpu_us=cpu_us or {},
         per_s=len(ms) / result["window"],
         ok=len(ms),
         statuses={str(k): v for k, v in result["statuses"].items()},
@@ -592,27 +653,47 @@ async def _main(settings: Settings, opts: IngestOptions) -> dict[str, Any]:
                     await conn.execute("CHECKPOINT")  # superuser or pg_checkpoint only
             return count
 
+        async def closed_phase(run: int, servers: list[int]) -> Phase:
+            """One max-rate run, with the CPU per answered callback of each side."""
+            backends = await _backend_pids(conn_db)
+            before = (_cpu_s(servers), _cpu_s(backends, b"postgres"))
+            closed = {"mode": "closed", "warmup": opts.warmup, "run_id": f"{run_id}a{run}"}
+            result = await _run_clients(opts.client_processes, common | closed)
+            after = (_cpu_s(servers), _cpu_s(backends, b"postgres"))
+            answers = sum(result["statuses"].values())
+            return _phase(
+                result,
+                {
+                    "servers": _per_answer(before[0], after[0], answers),
+                    "clients": _per_answer(0.0, result["cpu_s"], answers),
+                    "postgres": _per_answer(before[1], after[1], answers),
+                },
+            )
+
         pgbench: dict[int, list[float]] = {c: [] for c in clients}
+        pgbench_cpu: list[float] = []  # pgbench's own CPU per transaction
         tops: list[Phase] = []
         stored = 0
+        run_id = uuid.uuid4().hex[:8]
         try:
-            async with _servers(url, opts) as port:
-                run_id = uuid.uuid4().hex[:8]
+            async with _servers(url, opts) as (port, servers):
                 common = {"port": port, "connections": opts.connections, "seconds": opts.seconds}
-                procs = opts.client_processes
                 # Alternated, so a slow spell of the machine hits both sides alike.
                 for r in range(opts.repeats):
                     for c in clients:
                         stored += await stored_then_empty()
-                        pgbench[c].append(await _pgbench(url, c, opts.seconds))
+                        cpu = _children_cpu_s()  # pgbench is the only child reaped meanwhile
+                        tps = await _pgbench(url, c, opts.seconds)
+                        pgbench[c].append(tps)
+                        transactions = tps * _pgbench_seconds(opts.seconds)
+                        pgbench_cpu.append((_children_cpu_s() - cpu) / transactions * 1e6)
                     stored += await stored_then_empty()
-                    closed = {"mode": "closed", "warmup": opts.warmup, "run_id": f"{run_id}a{r}"}
-                    tops.append(_phase(await _run_clients(procs, common | closed)))
+                    tops.append(await closed_phase(r, servers))
                 top = max(tops, key=lambda phase: phase.per_s)
                 stored += await stored_then_empty()
                 half = _phase(
                     await _run_clients(
-                        procs,
+                        opts.client_processes,
                         common | {"mode": "open", "rate": top.per_s / 2, "run_id": run_id + "b"},
                     )
                 )
@@ -624,6 +705,7 @@ async def _main(settings: Settings, opts: IngestOptions) -> dict[str, Any]:
     return {
         "pgbench": {c: max(runs) for c, runs in pgbench.items()},
         "pgbench_runs": pgbench,
+        "pgbench_client_cpu_us": min(pgbench_cpu),
         "ceiling": max(max(runs) for runs in pgbench.values()),
         "top": top,
         "top_runs": [phase.per_s for phase in tops],
@@ -680,6 +762,13 @@ def run(settings: Settings, options: Mapping[str, str]) -> int:
         )
     runs = ", ".join(f"{x:.0f}" for x in r["top_runs"])
     print(f"  max-rate runs: {runs}; ratio gateway / pgbench best: {top.per_s / ceiling:.2f}")
+    cpu = ", ".join(
+        f"{side} {'n/a' if us is None else f'{us:.0f} us'}" for side, us in top.cpu_us.items()
+    )
+    print(
+        f"  CPU per callback, best max-rate run (warm-up included): {cpu}; "
+        f"pgbench's own client {r['pgbench_client_cpu_us']:.0f} us per transaction"
+    )
     print(f"  answers: max-rate {top.statuses}, half-rate {half.statuses}")
     print(f"  rows stored {r['stored']} for {r['accepted']} answers 204 (every 204 has its row)")
     print_json_line(
@@ -700,6 +789,10 @@ def run(settings: Settings, options: Mapping[str, str]) -> int:
                 str(c): [rounded(t, 1) for t in v] for c, v in r["pgbench_runs"].items()
             },
             "max_rate_runs": [rounded(x, 1) for x in r["top_runs"]],
+            "cpu_us_per_callback": {
+                side: None if us is None else rounded(us, 1) for side, us in top.cpu_us.items()
+            },
+            "pgbench_client_cpu_us_per_tx": rounded(r["pgbench_client_cpu_us"], 1),
             "repeats": opts.repeats,
             "connections": opts.connections,
             "path": opts.path,
