@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from urllib.parse import urlsplit
@@ -121,6 +122,74 @@ async def test_a_refused_row_fails_alone_and_the_rest_of_its_batch_commits(db: D
     assert isinstance(results[1], InboxError)
     assert results[2] == Outcome.NEW
     assert await count_rows(db) == 2
+
+
+async def test_enqueue_calls_done_once_after_the_commit(db: Database) -> None:
+    """The lean HTTP path's entry: ``done`` runs after the batch committed (the row is visible
+    from another connection by then), once per row, with the row's own outcome."""
+    writer = InboxWriter(db, GroupCommitConfig(linger_s=0.1, max_batch=100))
+    writer.start()
+    seen: list[tuple[str, Outcome | BaseException, int]] = []
+    visible: list[asyncio.Task[int]] = []
+    finished = asyncio.Event()
+
+    def done_for(key: str) -> Callable[[Outcome | BaseException], None]:
+        def done(outcome: Outcome | BaseException) -> None:
+            seen.append((key, outcome, len(seen)))
+            visible.append(asyncio.ensure_future(count_rows(db)))
+            if len(seen) == 3:
+                finished.set()
+
+        return done
+
+    try:
+        writer.enqueue(row("e1"), done_for("e1"))
+        writer.enqueue(row("e2"), done_for("e2"))
+        writer.enqueue(row("e1"), done_for("e1-again"))
+        assert seen == []  # nothing is told before the commit
+        await asyncio.wait_for(finished.wait(), 10)
+        await asyncio.sleep(0.05)
+    finally:
+        await writer.close()
+    outcomes = {key: outcome for key, outcome, _ in seen}
+    assert outcomes == {"e1": Outcome.NEW, "e2": Outcome.NEW, "e1-again": Outcome.DUPLICATE}
+    assert len(seen) == 3  # exactly once each
+    assert [await task for task in visible] == [2, 2, 2]  # committed before anyone was told
+
+
+async def test_a_receiver_that_raises_does_not_fail_the_rest_of_its_batch(db: Database) -> None:
+    writer = InboxWriter(db, GroupCommitConfig(linger_s=0.1, max_batch=100))
+    writer.start()
+    told: list[Outcome | BaseException] = []
+
+    def broken(outcome: Outcome | BaseException) -> None:
+        raise RuntimeError("a bug in the receiver")
+
+    try:
+        writer.enqueue(row("r1"), broken)
+        writer.enqueue(row("r2"), told.append)
+        assert await writer.submit(row("r3")) == Outcome.NEW
+    finally:
+        await writer.close()
+    assert told == [Outcome.NEW]  # told once, not failed again for the other's bug
+    assert await count_rows(db) == 3
+
+
+async def test_enqueue_refuses_at_once_when_closed_or_full(db: Database) -> None:
+    writer = InboxWriter(db, GroupCommitConfig(max_queue=1, linger_s=0.2, max_batch=100))
+    told: list[Outcome | BaseException] = []
+    with pytest.raises(InboxClosed):  # not started
+        writer.enqueue(row("x"), told.append)
+    writer.start()
+    with pytest.raises(InboxError):  # text PostgreSQL cannot store: refused alone
+        writer.enqueue(row("nul\x00"), told.append)
+    writer.enqueue(row("y"), told.append)
+    with pytest.raises(InboxFull):
+        writer.enqueue(row("z"), told.append)
+    await writer.close()
+    assert told == [Outcome.NEW]
+    with pytest.raises(InboxClosed):
+        writer.enqueue(row("late"), told.append)
 
 
 async def test_unencodable_text_is_refused_before_it_reaches_a_batch(db: Database) -> None:

@@ -286,6 +286,32 @@ def _error_answer(rejection: _Reject, trace_id: str) -> Answer:
 _CLOSING = frozenset({400, 408, 413, 431})
 
 
+def _token(request: CallbackRequest) -> str | None:
+    """The callback token of an unsigned provider's callback URL (``?token=``)."""
+    return dict(parse_qsl(request.query.decode("latin-1"))).get("token") if request.query else None
+
+
+def _verification_rejection(exc: VerificationError, config: CallbackConfig) -> _Reject:
+    if exc.retryable:
+        retry = str(config.retry_after_s)
+        return _Reject(503, "unavailable", exc.reason.value, **{"retry-after": retry})
+    return _Reject(401, "unauthorized", exc.reason.value)
+
+
+def _store_rejection(exc: BaseException, config: CallbackConfig) -> _Reject:
+    """Row 9 when the row was not stored: 503 (retry later) or 500."""
+    retry = {"retry-after": str(config.retry_after_s)}
+    if isinstance(exc, DatabaseUnavailable):
+        return _Reject(503, "unavailable", "database_unavailable", **retry)
+    if isinstance(exc, InboxFull):
+        return _Reject(503, "unavailable", "queue_full", **retry)
+    if isinstance(exc, InboxClosed):
+        return _Reject(503, "unavailable", "shutting_down", **retry)
+    if not isinstance(exc, InboxError):
+        log(logger, logging.ERROR, "inbox write failed", error=type(exc).__name__)
+    return _Reject(500, "internal", "store_failed")
+
+
 class CallbackEndpoint:
     """``POST /v1/callbacks/{provider}`` (see the module docstring): the checks as methods any
     transport calls, and the ASGI app (``__call__``) for a Starlette ``Route``."""
@@ -339,23 +365,55 @@ class CallbackEndpoint:
         label = provider_name if provider_name in self.providers else "unknown"
         return self._rejected(label, _Reject(status, code, reason), trace_id)
 
-    def runs_without_task(self, request: CallbackRequest) -> bool:
-        """Whether :meth:`finish` for ``request`` awaits nothing but asyncio futures: its
-        provider's verifier never suspends and the inbox writer awaits only its batch's future.
-        A transport may then drive the coroutine itself rather than create a task."""
-        return bool(
-            getattr(request.provider.verifier, "never_suspends", False)
-            and getattr(self.inbox, "submit_awaits_only_a_future", False)
-        )
-
     async def finish(self, request: CallbackRequest, body: bytes) -> Answer:
         """Rows 7 to 9: verify the raw ``body``, parse it, store it; 204 only after the commit."""
         provider = request.provider
         try:
-            await self._store_callback(request, body)
+            verified = await self._verify(provider, request.headers, body, _token(request))
+            row = self._prepare(request, body, verified)
+            try:
+                outcome = await self.inbox.submit(row)
+            except Exception as exc:
+                raise _store_rejection(exc, self.config) from None
         except _Reject as rejection:
             return self._rejected(provider.name, rejection, request.trace_id)
-        return NO_CONTENT
+        return self._stored(request, row, verified, outcome)
+
+    def finish_now(
+        self, request: CallbackRequest, body: bytes, reply: Callable[[Answer], None]
+    ) -> bool:
+        """:meth:`finish` without a coroutine, when the provider's verifier never waits
+        (:class:`~aivedio.ingest.verify.ImmediateVerifier`): checks now, the row queued with
+        :meth:`InboxWriter.enqueue`, and ``reply(answer)`` called once, with the rejection at
+        once or with the outcome after the commit. False (nothing done) for another verifier:
+        await :meth:`finish` instead."""
+        verify_now = getattr(request.provider.verifier, "verify_now", None)
+        if verify_now is None:
+            return False
+        provider = request.provider
+        try:
+            try:
+                verified: Verified = verify_now(
+                    request.headers, body, self.clock(), callback_token=_token(request)
+                )
+            except VerificationError as exc:
+                raise _verification_rejection(exc, self.config) from None
+            row = self._prepare(request, body, verified)
+
+            def done(outcome: Outcome | BaseException) -> None:
+                if isinstance(outcome, BaseException):
+                    rejection = _store_rejection(outcome, self.config)
+                    reply(self._rejected(provider.name, rejection, request.trace_id))
+                else:
+                    reply(self._stored(request, row, verified, outcome))
+
+            try:
+                self.inbox.enqueue(row, done)
+            except Exception as exc:
+                raise _store_rejection(exc, self.config) from None
+        except _Reject as rejection:
+            reply(self._rejected(provider.name, rejection, request.trace_id))
+        return True
 
     async def handle(
         self,
@@ -462,41 +520,53 @@ class CallbackEndpoint:
             raise _Reject(413, "body_too_large", "body_too_large")
         return CallbackRequest(provider, headers, query, trace_id)
 
-    async def _store_callback(self, request: CallbackRequest, body: bytes) -> None:
-        provider, headers = request.provider, request.headers
-        token = (
-            dict(parse_qsl(request.query.decode("latin-1"))).get("token") if request.query else None
-        )
-        verified = await self._verify(provider, headers, body, token)
+    def _prepare(self, request: CallbackRequest, body: bytes, verified: Verified) -> InboxRow:
+        """The row to store for an authentic ``body``: parsed (row 8), dedup key and ids from
+        the adapter, the payload minimized."""
+        provider = request.provider
         text, payload = self._parse(body)
         payload_hash = hashlib.sha256(body).digest()
         try:
-            info = provider.dedup(headers, payload, verified, payload_hash)
+            info = provider.dedup(request.headers, payload, verified, payload_hash)
             minimized = provider.minimize(payload)
             # Nothing redacted or dropped: the body's own text is the minimized payload (the
             # same jsonb value; numbers keep their exact digits). Equality is cheap here, as
             # redaction shares every container it did not change.
             payload_json = text if minimized == payload else _ENCODER.encode(minimized)
         except Exception as exc:  # an adapter bug: 500, the provider retries later
-            log(logger, logging.ERROR, "callback adapter failed", error=type(exc).__name__)
+            log(
+                logger,
+                logging.ERROR,
+                "callback adapter failed",
+                error=type(exc).__name__,
+                trace_id=request.trace_id,
+            )
             raise _Reject(500, "internal", "adapter_error") from None
-        row = self._row(provider.name, info, verified, payload_hash, payload_json, request.trace_id)
-        outcome = await self._store(row)
+        return self._row(
+            provider.name, info, verified, payload_hash, payload_json, request.trace_id
+        )
+
+    def _stored(
+        self, request: CallbackRequest, row: InboxRow, verified: Verified, outcome: Outcome
+    ) -> Answer:
+        """Row 9 once the row's batch committed: counted, 204."""
+        name = request.provider.name
         if outcome is Outcome.NEW:
-            self._count_accepted(provider.name, verified.key_version or "")
+            self._count_accepted(name, verified.key_version or "")
         else:
-            self._count_duplicate(provider.name)
+            self._count_duplicate(name)
         if logger.isEnabledFor(logging.DEBUG):
             log(
                 logger,
                 logging.DEBUG,
                 "callback stored",
-                provider=provider.name,
+                provider=name,
                 outcome=outcome.value,
                 dedup_key=row.dedup_key,
                 provider_task_id=row.provider_task_id,
                 trace_id=request.trace_id,
             )
+        return NO_CONTENT
 
     def _count_accepted(self, provider: str, key_version: str) -> None:
         child = self._accepted.get((provider, key_version))
@@ -520,12 +590,7 @@ class CallbackEndpoint:
         try:
             return await provider.verifier.verify(headers, body, self.clock(), callback_token=token)
         except VerificationError as exc:
-            if exc.retryable:
-                retry = str(self.config.retry_after_s)
-                raise _Reject(
-                    503, "unavailable", exc.reason.value, **{"retry-after": retry}
-                ) from None
-            raise _Reject(401, "unauthorized", exc.reason.value) from None
+            raise _verification_rejection(exc, self.config) from None
 
     def _parse(self, body: bytes) -> tuple[str, dict[str, Any]]:
         try:
@@ -574,19 +639,6 @@ class CallbackEndpoint:
             payload_authenticated=verified.payload_authenticated,
             trace_id=trace_id,
         )
-
-    async def _store(self, row: InboxRow) -> Outcome:
-        retry = {"retry-after": str(self.config.retry_after_s)}
-        try:
-            return await self.inbox.submit(row)
-        except DatabaseUnavailable:
-            raise _Reject(503, "unavailable", "database_unavailable", **retry) from None
-        except InboxFull:
-            raise _Reject(503, "unavailable", "queue_full", **retry) from None
-        except InboxClosed:
-            raise _Reject(503, "unavailable", "shutting_down", **retry) from None
-        except InboxError:
-            raise _Reject(500, "internal", "store_failed") from None
 
 
 async def _send_answer(send: Send, answer: Answer) -> None:

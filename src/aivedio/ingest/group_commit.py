@@ -1,7 +1,8 @@
 """Group commit into ``provider_callback_inbox``: many callbacks, one INSERT, one commit.
 
-Each callback request hands its row to :meth:`InboxWriter.submit` and waits. One background task
-(the flusher) takes whatever is queued, up to ``max_batch`` rows, as soon as one of its
+Each callback request hands its row to :meth:`InboxWriter.submit` and waits (or to
+:meth:`InboxWriter.enqueue` with a function to call once the row's fate is known). One background
+task (the flusher) takes whatever is queued, up to ``max_batch`` rows, as soon as one of its
 ``max_inflight`` slots is free (after lingering ``linger_s`` for more, when set), and inserts
 them all with ONE statement::
 
@@ -14,7 +15,7 @@ batch does not wait for the previous one's WAL flush (the queue behind a slow co
 
 The statement runs outside an explicit transaction, so it is committed (``synchronous_commit`` as
 configured on the server, ``on`` by default: flushed to the WAL) when it returns. Only then is each
-waiter's future resolved with its own :class:`Outcome`: ``NEW`` when its key came back from
+waiter given its own :class:`Outcome`: ``NEW`` when its key came back from
 RETURNING, ``DUPLICATE`` when the key was already stored (or appeared earlier in the same batch).
 Nothing is ever answered before its batch committed.
 
@@ -38,10 +39,10 @@ import re
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
-from typing import ClassVar
 
 import asyncpg
 import orjson
@@ -240,26 +241,42 @@ def _check_row(row: InboxRow) -> None:
         raise InboxError("the callback holds text PostgreSQL cannot store")
 
 
+Done = Callable[[Outcome | BaseException], None]
+"""What :meth:`InboxWriter.enqueue` calls once a row's batch is over: its :class:`Outcome` after
+the commit, or the error that failed it (never before the commit, exactly once)."""
+
+
 @dataclass(slots=True, eq=False)
 class _Waiter:
     row: InboxRow
-    future: asyncio.Future[Outcome]
+    done: Done
+    settled: bool = False
 
 
 def _settle(waiter: _Waiter, outcome: Outcome | BaseException) -> None:
-    if waiter.future.done():  # the request went away (client disconnect, timeout)
+    if waiter.settled:  # a batch cut short (cancelled) after some of its waiters were told
         return
-    if isinstance(outcome, BaseException):
-        waiter.future.set_exception(outcome)
-    else:
-        waiter.future.set_result(outcome)
+    waiter.settled = True
+    try:
+        waiter.done(outcome)
+    except Exception as exc:  # the receiver's bug: never the rest of the batch's
+        log(logger, logging.ERROR, "inbox waiter failed", error=type(exc).__name__)
+
+
+def _resolver(future: asyncio.Future[Outcome]) -> Done:
+    def resolve(outcome: Outcome | BaseException) -> None:
+        if future.done():  # the request went away (client disconnect, timeout)
+            return
+        if isinstance(outcome, BaseException):
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+    return resolve
 
 
 class InboxWriter:
     """Queue + one flusher task. ``start()`` once, ``await close()`` at shutdown."""
-
-    submit_awaits_only_a_future: ClassVar[bool] = True
-    """:meth:`submit` awaits nothing but its waiter's future (no lock, no I/O of its own)."""
 
     def __init__(self, db: Database, config: GroupCommitConfig | None = None) -> None:
         self.db = db
@@ -309,17 +326,30 @@ class InboxWriter:
         :class:`DatabaseUnavailable`, :class:`InboxError`, :class:`InboxFull`,
         :class:`InboxClosed`."""
         loop = self._loop
-        if self._closing or self._task is None or loop is None:
+        if loop is None:
             raise InboxClosed("the inbox writer is not running")
-        if len(self._queue) >= self.config.max_queue:
+        future: asyncio.Future[Outcome] = loop.create_future()
+        self.enqueue(row, _resolver(future))
+        return await future
+
+    def enqueue(self, row: InboxRow, done: Done) -> None:
+        """Queue ``row``; the flusher calls ``done(outcome)`` once its batch committed, or
+        ``done(error)`` (:class:`DatabaseUnavailable`, :class:`InboxError`,
+        :class:`InboxClosed`) if it could not be. Raises :class:`InboxFull`,
+        :class:`InboxClosed` or :class:`InboxError` at once instead of queuing.
+
+        :meth:`submit` without a future: the lean HTTP path answers from ``done`` itself, one
+        call per callback where a future costs a loop callback and a coroutine step more."""
+        if self._closing or self._task is None:
+            raise InboxClosed("the inbox writer is not running")
+        queue = self._queue
+        if len(queue) >= self.config.max_queue:
             raise InboxFull("the callback inbox queue is full")
         _check_row(row)
-        waiter = _Waiter(row, loop.create_future())
-        self._queue.append(waiter)
+        queue.append(_Waiter(row, done))
         self._wakeup.set()
-        if len(self._queue) >= self.config.max_batch:
+        if len(queue) >= self.config.max_batch:
             self._full.set()
-        return await waiter.future
 
     # -- the flusher ------------------------------------------------------------------------
 

@@ -38,7 +38,7 @@ import re
 import secrets
 import time
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from email.utils import formatdate
 from typing import Any, cast
 from urllib.parse import unquote
@@ -156,18 +156,14 @@ class _Slot:
         self.close = False
 
 
-class _Job:
-    """One callback's ``finish`` coroutine, and where its answer goes.
+class _Reply:
+    """Where one callback's answer goes: its slot in the answer order, then the connection.
 
-    When the endpoint says the coroutine awaits nothing but asyncio futures (a verifier that never
-    suspends, then the inbox writer's batch future), it is driven here without a task: sent
-    ``None`` to start, and again from the done callback of each future it yields (whose
-    ``__await__`` then returns the future's result), as ``asyncio.Task`` would, minus the task
-    object, its context copy and its two extra loop iterations per request. Otherwise it runs
-    in a task and :meth:`task_done` takes the answer.
-    """
+    ``done`` is called with the answer once: at once for a rejection, or by the inbox writer
+    after the row's batch committed (:meth:`CallbackEndpoint.finish_now`); for a verifier that
+    may wait, :meth:`task_done` takes the answer of the ``finish`` task."""
 
-    __slots__ = ("conn", "coro", "keep_alive", "method", "slot", "started", "trace_id")
+    __slots__ = ("conn", "keep_alive", "method", "slot", "started", "trace_id")
 
     def __init__(
         self,
@@ -184,44 +180,15 @@ class _Job:
         self.keep_alive = keep_alive
         self.method = method
         self.started = started
-        self.coro: Coroutine[Any, Any, Answer] | None = None
-
-    def run(self, coro: Coroutine[Any, Any, Answer]) -> None:
-        self.coro = coro
-        self.step()
-
-    def step(self, _future: object = None) -> None:
-        coro = self.coro
-        assert coro is not None
-        token = trace_id_var.set(self.trace_id)
-        try:
-            yielded = coro.send(None)
-        except StopIteration as stop:
-            self.done(stop.value)
-            return
-        except (Exception, asyncio.CancelledError) as exc:
-            self.failed(exc)
-            return
-        finally:
-            trace_id_var.reset(token)
-        if getattr(yielded, "_asyncio_future_blocking", False):  # an asyncio future
-            yielded._asyncio_future_blocking = False
-            yielded.add_done_callback(self.step)
-        else:  # a bare yield (``asyncio.sleep(0)``): go on at the next loop iteration
-            self.conn.loop.call_soon(self.step)
 
     def task_done(self, task: asyncio.Task[Answer]) -> None:
         try:
             answer = task.result()
         except (Exception, asyncio.CancelledError) as exc:
-            self.failed(exc)
-            return
+            # a bug, or cancelled at shutdown: never a 2xx
+            log(access_logger, logging.ERROR, "callback failed", error=type(exc).__name__)
+            answer = _INTERNAL
         self.done(answer)
-
-    def failed(self, exc: BaseException) -> None:
-        # a bug, or cancelled at shutdown: never a 2xx
-        log(access_logger, logging.ERROR, "callback failed", error=type(exc).__name__)
-        self.done(_INTERNAL)
 
     def done(self, answer: Answer) -> None:
         conn = self.conn
@@ -519,17 +486,15 @@ class CallbackProtocol(asyncio.Protocol):
     def _submit(self, request: CallbackRequest, body: bytes, method: str) -> None:
         slot = _Slot()
         self.pending.append(slot)
-        job = _Job(self, slot, request.trace_id, self.keep_alive, method, self.started)
-        coro = self.endpoint.finish(request, body)
-        if self.endpoint.runs_without_task(request):
-            job.run(coro)  # no task: it awaits only futures (see _Job)
+        reply = _Reply(self, slot, request.trace_id, self.keep_alive, method, self.started)
+        if self.endpoint.finish_now(request, body, reply.done):
             return
-        token = trace_id_var.set(request.trace_id)
+        token = trace_id_var.set(request.trace_id)  # the task's log lines carry it
         try:
-            task = self.loop.create_task(coro)
+            task = self.loop.create_task(self.endpoint.finish(request, body))
         finally:
             trace_id_var.reset(token)
-        task.add_done_callback(job.task_done)
+        task.add_done_callback(reply.task_done)
 
     def _answer_now(self, answer: Answer, trace_id: str, method: str) -> None:
         slot = _Slot()

@@ -25,12 +25,13 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import ClassVar, Protocol
+from typing import Protocol
 
 from aivedio.errors import AivedioError
 
 __all__ = [
     "CallbackTokenVerifier",
+    "ImmediateVerifier",
     "Reason",
     "StandardWebhooksVerifier",
     "VerificationError",
@@ -113,10 +114,11 @@ class Verified:
 class Verifier(Protocol):
     """One provider's authenticity check, run on the raw bytes before anything is parsed.
 
-    A verifier whose ``verify`` never awaits anything (no I/O, no lock) may say so with a class
-    attribute ``never_suspends = True``: the lean HTTP path then runs the callback without
-    creating an asyncio task for it (a verifier without the attribute gets one, as it may need
-    ``asyncio.current_task()``, e.g. for an HTTP fetch).
+    A verifier that never needs to wait (no I/O, no lock) also offers the same check as a plain
+    call, ``verify_now(headers, body, now, *, callback_token=None) -> Verified``
+    (:class:`ImmediateVerifier`): the lean HTTP path then takes a callback from its body to the
+    inbox queue without a coroutine or a task. A verifier without it (JWKS fetches) is awaited
+    in a task of its own.
     """
 
     async def verify(
@@ -128,6 +130,21 @@ class Verifier(Protocol):
         callback_token: str | None = None,
     ) -> Verified:
         """Return what was verified, or raise :class:`VerificationError`."""
+        ...
+
+
+class ImmediateVerifier(Verifier, Protocol):
+    """A :class:`Verifier` whose check never waits: ``verify`` is ``verify_now`` awaited."""
+
+    def verify_now(
+        self,
+        headers: Mapping[str, str],
+        body: bytes,
+        now: float,
+        *,
+        callback_token: str | None = None,
+    ) -> Verified:
+        """The check as a plain call: what was verified, or :class:`VerificationError`."""
         ...
 
 
@@ -259,9 +276,6 @@ class StandardWebhooksVerifier:
     """
 
     ID_HEADER = "webhook-id"
-    never_suspends: ClassVar[bool] = True
-    """``verify`` awaits nothing (see :class:`Verifier`): the lean HTTP path may run it
-    without a task of its own."""
     TIMESTAMP_HEADER = "webhook-timestamp"
     SIGNATURE_HEADER = "webhook-signature"
 
@@ -279,6 +293,16 @@ class StandardWebhooksVerifier:
         self._tolerance_s = check_tolerance(tolerance_s)
 
     async def verify(
+        self,
+        headers: Mapping[str, str],
+        body: bytes,
+        now: float,
+        *,
+        callback_token: str | None = None,
+    ) -> Verified:
+        return self.verify_now(headers, body, now, callback_token=callback_token)
+
+    def verify_now(
         self,
         headers: Mapping[str, str],
         body: bytes,
@@ -359,9 +383,6 @@ class CallbackTokenVerifier:
             raise ValueError(f"callback token secrets must be >= {_MIN_TOKEN_SECRET_BYTES} bytes")
         self._secrets = tuple(secrets)
 
-    never_suspends: ClassVar[bool] = True
-    """``verify`` awaits nothing (see :class:`Verifier`)."""
-
     def authenticate(self, token: str | None) -> tuple[str, str]:
         """``(attempt_id, key_version)`` of a token we minted, else :class:`VerificationError`."""
         if not token:
@@ -384,6 +405,16 @@ class CallbackTokenVerifier:
         return attempt_id, matched
 
     async def verify(
+        self,
+        headers: Mapping[str, str],
+        body: bytes,
+        now: float,
+        *,
+        callback_token: str | None = None,
+    ) -> Verified:
+        return self.verify_now(headers, body, now, callback_token=callback_token)
+
+    def verify_now(
         self,
         headers: Mapping[str, str],
         body: bytes,
