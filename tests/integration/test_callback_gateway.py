@@ -494,11 +494,21 @@ def signed_bytes(body: bytes, secret: str = NEW_SECRET) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    "body", [b'{"type": ', b"", b"NaN", b'{"a": Infinity}', b"\xef\xbb\xbf{}", b"{} {}"]
-)
+    "body",
+    [b'{"type": ', b"", b"NaN", b'{"a": Infinity}', b"\xef\xbb\xbf{}", b"{} {}",
+     b'{"a": [1,}', b'{"a": 1}\x0b', b'{"a": 1} x'],
+)  # fmt: skip
 async def test_invalid_json_is_422(gateway: Gateway, body: bytes) -> None:
     response = await gateway.post(body, signed_bytes(body))
     await assert_rejected(gateway, response, 422, "invalid_json", "invalid_json")
+
+
+@pytest.mark.parametrize("body", [b'{"a": 1} \r\n\t', b' \n{"a": 1}', b'{"a": 1}'])
+async def test_json_whitespace_around_the_object_is_accepted(gateway: Gateway, body: bytes) -> None:
+    response = await gateway.post(body, signed_bytes(body))
+    assert response.status_code == 204
+    [stored] = await gateway.rows()
+    assert stored["payload"] == {"a": 1}
 
 
 @pytest.mark.parametrize(

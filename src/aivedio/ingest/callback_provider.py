@@ -158,30 +158,45 @@ def redact(value: Any, url_keys: frozenset[str] = frozenset()) -> Any:
     if isinstance(value, str):
         return _strip_url(value) if "://" in value and _URL.match(value) else value
     if isinstance(value, dict):
-        out: dict[str, Any] | None = None
-        for key, item in value.items():
-            lowered = key.lower()
-            if lowered in SECRET_KEYS or (item is not None and lowered in url_keys):
-                new = REDACTED
-            elif isinstance(item, str):  # inline: most values are strings without a URL
-                if "://" not in item or not _URL.match(item):
-                    continue
-                new = _strip_url(item)
-            elif isinstance(item, (dict, list)):
-                new = redact(item, url_keys)
-            else:
-                continue  # numbers, booleans, null: nothing to redact
-            if new is not item:
-                if out is None:
-                    out = dict(value)
-                out[key] = new
-        return value if out is None else out
+        return _redact_dict(value, url_keys)
     if isinstance(value, list):
-        items = [redact(item, url_keys) for item in value]
-        if all(new is old for new, old in zip(items, value, strict=True)):
-            return value
-        return items
+        return _redact_list(value, url_keys)
     return value
+
+
+def _redact_dict(value: dict[str, Any], url_keys: frozenset[str]) -> dict[str, Any]:
+    out: dict[str, Any] | None = None
+    for key, item in value.items():
+        kind = type(item)  # exact types first: what a JSON parser builds
+        lowered = key.lower()
+        if lowered in SECRET_KEYS or (item is not None and lowered in url_keys):
+            new: Any = REDACTED
+        elif kind is str:  # most values are strings without a URL
+            if "://" not in item or not _URL.match(item):
+                continue
+            new = _strip_url(item)
+        elif kind is dict:
+            new = _redact_dict(item, url_keys)
+        elif kind is int or kind is float or kind is bool or item is None:
+            continue
+        else:  # lists, and subclasses of str / dict / list
+            new = redact(item, url_keys)
+        if new is not item:
+            if out is None:
+                out = dict(value)
+            out[key] = new
+    return value if out is None else out
+
+
+def _redact_list(value: list[Any], url_keys: frozenset[str]) -> list[Any]:
+    out: list[Any] | None = None
+    for index, item in enumerate(value):
+        new = redact(item, url_keys)
+        if new is not item:
+            if out is None:
+                out = list(value)
+            out[index] = new
+    return value if out is None else out
 
 
 def _text(value: object) -> str | None:
@@ -257,5 +272,8 @@ class StandardWebhooksJson:
         )
 
     def minimize(self, payload: Mapping[str, Any]) -> dict[str, Any]:
-        result: dict[str, Any] = redact(dict(payload), self._url_keys)
+        # the payload itself when nothing is redacted (a copy along what changes)
+        result: dict[str, Any] = redact(
+            payload if isinstance(payload, dict) else dict(payload), self._url_keys
+        )
         return result

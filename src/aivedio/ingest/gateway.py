@@ -51,6 +51,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any, NoReturn
 from urllib.parse import parse_qsl
 
@@ -220,6 +221,10 @@ def _finite(text: str) -> float:
 
 # One decoder and one encoder, built once (``json.loads`` with hooks builds a decoder per call).
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite)
+# The decoder's C scanner, called directly for a body that starts with "{": decode() wraps it
+# in two Python calls and two regex matches, 1.3 of its 3.4 us for a webhook-sized body.
+_SCAN_ONCE: Callable[[str, int], tuple[Any, int]] = _DECODER.scan_once  # type: ignore[attr-defined]
+_JSON_SPACE = " \t\n\r"
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
 
 
@@ -399,21 +404,28 @@ class CallbackEndpoint:
             except VerificationError as exc:
                 raise _verification_rejection(exc, self.config) from None
             row = self._prepare(request, body, verified)
-
-            def done(outcome: Outcome | BaseException) -> None:
-                if isinstance(outcome, BaseException):
-                    rejection = _store_rejection(outcome, self.config)
-                    reply(self._rejected(provider.name, rejection, request.trace_id))
-                else:
-                    reply(self._stored(request, row, verified, outcome))
-
             try:
-                self.inbox.enqueue(row, done)
+                self.inbox.enqueue(row, partial(self._settled, request, row, verified, reply))
             except Exception as exc:
                 raise _store_rejection(exc, self.config) from None
         except _Reject as rejection:
             reply(self._rejected(provider.name, rejection, request.trace_id))
         return True
+
+    def _settled(
+        self,
+        request: CallbackRequest,
+        row: InboxRow,
+        verified: Verified,
+        reply: Callable[[Answer], None],
+        outcome: Outcome | BaseException,
+    ) -> None:
+        """The inbox writer's answer for a row of :meth:`finish_now`."""
+        if isinstance(outcome, BaseException):
+            rejection = _store_rejection(outcome, self.config)
+            reply(self._rejected(request.provider.name, rejection, request.trace_id))
+        else:
+            reply(self._stored(request, row, verified, outcome))
 
     async def handle(
         self,
@@ -498,12 +510,11 @@ class CallbackEndpoint:
         if method != "POST":
             raise _Reject(405, "method_not_allowed", "method_not_allowed", allow="POST")
         # the first value of a repeated header wins: built from the last to the first
-        headers = {
-            name.decode("latin-1").lower(): value.decode("latin-1")
-            for name, value in reversed(raw_headers)
-        }
-        header_bytes = sum(len(name) + len(value) for name, value in raw_headers)
-        header_bytes += 4 * len(raw_headers)
+        headers: dict[str, str] = {}
+        header_bytes = 0
+        for name, value in reversed(raw_headers):
+            headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+            header_bytes += len(name) + len(value) + 4
         media_type = headers.get("content-type", "").partition(";")[0].strip().lower()
         if media_type != "application/json":
             raise _Reject(415, "unsupported_media_type", "unsupported_media_type")
@@ -532,7 +543,9 @@ class CallbackEndpoint:
             # Nothing redacted or dropped: the body's own text is the minimized payload (the
             # same jsonb value; numbers keep their exact digits). Equality is cheap here, as
             # redaction shares every container it did not change.
-            payload_json = text if minimized == payload else _ENCODER.encode(minimized)
+            payload_json = (
+                text if minimized is payload or minimized == payload else _ENCODER.encode(minimized)
+            )
         except Exception as exc:  # an adapter bug: 500, the provider retries later
             log(
                 logger,
@@ -598,10 +611,15 @@ class CallbackEndpoint:
         except UnicodeDecodeError:
             raise _Reject(400, "invalid_encoding", "invalid_encoding") from None
         try:
-            payload = _DECODER.decode(text)
+            if text[:1] == "{":  # an object from the first byte: scan it, check what follows
+                payload, end = _SCAN_ONCE(text, 0)
+                if end != len(text) and text[end:].strip(_JSON_SPACE):
+                    raise ValueError("extra data")
+            else:  # anything else: the decoder's own whitespace and error handling
+                payload = _DECODER.decode(text)
         except _Unstorable:
             raise _Reject(422, "invalid_payload", "invalid_payload") from None
-        except (ValueError, RecursionError):
+        except (ValueError, RecursionError, StopIteration):
             raise _Reject(422, "invalid_json", "invalid_json") from None
         if not isinstance(payload, dict):
             raise _Reject(422, "invalid_payload", "invalid_payload")

@@ -219,21 +219,19 @@ _UNENCODABLE = re.compile(r"[\x00\ud800-\udfff]")
 def _check_row(row: InboxRow) -> None:
     """Refuse, alone, a row the driver could not even send (NUL, lone surrogates): such a row
     must never reach a batch, where its encoding error would fail every other row with it."""
-    text = "\x1f".join(
-        value
-        for value in (
+    text = "".join(
+        (
             row.provider,
             row.dedup_key,
-            row.payload_json,
-            row.provider_event_id,
-            row.provider_task_id,
-            row.client_request_id,
-            row.signature_key_version,
-            row.trace_id,
-            row.event_type,
-            row.attempt_id,
+            row.payload_json or "",
+            row.provider_event_id or "",
+            row.provider_task_id or "",
+            row.client_request_id or "",
+            row.signature_key_version or "",
+            row.trace_id or "",
+            row.event_type or "",
+            row.attempt_id or "",
         )
-        if value is not None
     )
     if text.isascii() and "\x00" not in text:  # the common case: two scans, no regex
         return

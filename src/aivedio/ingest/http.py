@@ -77,7 +77,7 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _LINGER_S = 2.0
 _LINGER_BYTES = 1 << 20
 _HEAD_SLACK = 1024  # the request line and the blank lines, beyond the header and query limits
-_trace_prefix = secrets.token_hex(8)
+_trace_prefix = "trc_" + secrets.token_hex(8)
 _trace_counter = itertools.count()
 
 
@@ -87,8 +87,8 @@ def _new_trace_id() -> str:
     global _trace_prefix
     n = next(_trace_counter) & 0xFFFFFFFF
     if n == 0xFFFFFFFF:  # the counter wraps: a new prefix keeps ids unique
-        _trace_prefix = secrets.token_hex(8)
-    return f"trc_{_trace_prefix}{n:08x}"
+        _trace_prefix = "trc_" + secrets.token_hex(8)
+    return "%s%08x" % (_trace_prefix, n)  # noqa: UP031 - measured faster than the f-string
 
 
 class CallbackServer:
