@@ -16,6 +16,7 @@ import pytest
 from aivedio.config import DatabaseConfig
 from aivedio.db.pool import Database
 from aivedio.errors import DatabaseUnavailable
+from aivedio.ingest import group_commit
 from aivedio.ingest.group_commit import (
     BATCH_SIZE,
     GroupCommitConfig,
@@ -327,3 +328,48 @@ async def test_a_batch_stuck_on_a_lock_does_not_hold_up_the_next_one(db: Databas
         assert await asyncio.wait_for(stuck, 5) is Outcome.DUPLICATE  # the blocker's row won
     await writer.close()
     assert await count_rows(db) == 2
+
+
+async def test_a_slot_keeps_its_connection_while_busy_and_gives_it_back_when_idle(
+    database_config: DatabaseConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(group_commit, "_HOLD_IDLE_S", 0.3)
+    one = await Database.connect(replace(database_config, min_size=1, max_size=1))
+    writer = InboxWriter(one, GroupCommitConfig(max_inflight=1))
+    writer.start()
+    try:
+        assert await writer.submit(row("h1")) == Outcome.NEW
+        backend = await held_backend(writer)
+        assert await writer.submit(row("h2")) == Outcome.NEW
+        assert await held_backend(writer) == backend  # the same session, not acquired again
+        assert one.pool.get_idle_size() == 0
+        async with asyncio.timeout(5):  # idle: back in the pool, usable by anyone
+            async with one.connection() as conn:
+                assert await conn.fetchval("SELECT pg_backend_pid()") == backend
+    finally:
+        await writer.close()
+        await one.close()
+
+
+async def test_a_held_connection_that_died_is_replaced_and_the_batch_commits(
+    db: Database,
+) -> None:
+    writer = InboxWriter(db, GroupCommitConfig(max_inflight=1))
+    writer.start()
+    try:
+        assert await writer.submit(row("d1")) == Outcome.NEW
+        backend = await held_backend(writer)
+        async with db.connection() as conn:  # as a server restart would end it
+            assert await conn.fetchval("SELECT pg_terminate_backend($1)", backend)
+        assert await writer.submit(row("d2")) == Outcome.NEW  # once more, on a new session
+        assert await held_backend(writer) != backend
+    finally:
+        await writer.close()
+    assert await count_rows(db) == 2
+
+
+async def held_backend(writer: InboxWriter) -> int:
+    """The backend pid of the connection the writer's slot holds now."""
+    conns = [held.conn for held in writer._held if held.conn is not None]
+    assert len(conns) == 1
+    return int(conns[0].get_server_pid())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -82,6 +83,20 @@ class Database:
                 yield cast(asyncpg.Connection, conn)
         except UNAVAILABLE_ERRORS as exc:
             raise DatabaseUnavailable(f"PostgreSQL unavailable: {type(exc).__name__}") from exc
+
+    async def acquire(self) -> asyncpg.Connection:
+        """A pooled connection to keep across several statements; give it back with
+        :meth:`release`. For a hot loop where ``connection()`` per statement costs too much."""
+        try:
+            conn = await self.pool.acquire(timeout=self.config.acquire_timeout_s)
+        except UNAVAILABLE_ERRORS as exc:
+            raise DatabaseUnavailable(f"PostgreSQL unavailable: {type(exc).__name__}") from exc
+        return cast(asyncpg.Connection, conn)
+
+    async def release(self, conn: asyncpg.Connection) -> None:
+        """Give back a connection of :meth:`acquire` (a broken one is replaced by the pool)."""
+        with contextlib.suppress(*UNAVAILABLE_ERRORS):
+            await self.pool.release(cast(Any, conn))
 
     @asynccontextmanager
     async def transaction(
