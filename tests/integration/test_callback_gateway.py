@@ -637,7 +637,12 @@ JSON_VALUES = st.recursive(
     max_leaves=20,
 )
 HEADER_TEXT = st.text(st.characters(min_codepoint=0x20, max_codepoint=0x7E), max_size=40)
-HEADER_NAME = st.text(st.sampled_from("abcdefghijklmnopqrstuvwxyz-"), min_size=1, max_size=20)
+# the message framing is the HTTP client's (httpx refuses to send a body under a random
+# content-length); the transport's own framing tests are in test_ingest_lean_http.py
+_FRAMING = frozenset({"content-length", "transfer-encoding", "host", "connection"})
+HEADER_NAME = st.text(
+    st.sampled_from("abcdefghijklmnopqrstuvwxyz-"), min_size=1, max_size=20
+).filter(lambda name: name not in _FRAMING)
 BODIES = st.one_of(
     st.binary(max_size=600),
     JSON_VALUES.map(lambda v: json.dumps(v).encode()),

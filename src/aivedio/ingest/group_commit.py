@@ -188,13 +188,13 @@ WHERE process_status = 'processed' AND payload IS NOT NULL AND processed_at < $1
 def _batch_json(rows: list[InboxRow]) -> str:
     """The ``INSERT_BATCH`` parameter: ``[[provider, dedup_key, ..., payload, ...], ...]``.
 
-    Each row is two orjson arrays with the payload's own JSON text between them (already
-    serialized by the adapter: spliced, not re-encoded); timestamps as RFC 3339, the hash in hex.
-    A payload that is not valid JSON makes PostgreSQL refuse the batch, and the writer then
+    One ``orjson.dumps`` for the batch, the payload's own JSON text spliced in as a
+    ``Fragment`` (already serialized by the adapter: not parsed, not re-encoded); timestamps as
+    RFC 3339, the hash in hex (0.8 us per row against 1.6 for two dumps per row joined). A
+    payload that is not valid JSON makes PostgreSQL refuse the batch, and the writer then
     inserts its rows one by one, as for any refused row."""
-    parts = []
-    for r in rows:
-        head = orjson.dumps(
+    return orjson.dumps(
+        [
             [
                 r.provider,
                 r.dedup_key,
@@ -205,13 +205,16 @@ def _batch_json(rows: list[InboxRow]) -> str:
                 r.received_at,
                 r.signature_key_version,
                 r.payload_hash.hex(),
-            ],
-            option=orjson.OPT_NAIVE_UTC,  # as asyncpg sent a naive datetime: UTC
-        )
-        tail = orjson.dumps([r.trace_id, r.event_type, r.attempt_id, r.payload_authenticated])
-        payload = r.payload_json if r.payload_json is not None else "null"
-        parts.append(f"{head[:-1].decode()},{payload},{tail[1:].decode()}")
-    return "[" + ",".join(parts) + "]"
+                None if r.payload_json is None else orjson.Fragment(r.payload_json),
+                r.trace_id,
+                r.event_type,
+                r.attempt_id,
+                r.payload_authenticated,
+            ]
+            for r in rows
+        ],
+        option=orjson.OPT_NAIVE_UTC,  # as asyncpg sent a naive datetime: UTC
+    ).decode()
 
 
 _UNENCODABLE = re.compile(r"[\x00\ud800-\udfff]")
