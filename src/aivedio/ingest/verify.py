@@ -134,7 +134,8 @@ class Verifier(Protocol):
 
 
 class ImmediateVerifier(Verifier, Protocol):
-    """A :class:`Verifier` whose check never waits: ``verify`` is ``verify_now`` awaited."""
+    """A :class:`Verifier` whose check never waits. A class that subclasses it writes only
+    ``verify_now``; ``verify`` is that, awaited."""
 
     def verify_now(
         self,
@@ -146,6 +147,16 @@ class ImmediateVerifier(Verifier, Protocol):
     ) -> Verified:
         """The check as a plain call: what was verified, or :class:`VerificationError`."""
         ...
+
+    async def verify(
+        self,
+        headers: Mapping[str, str],
+        body: bytes,
+        now: float,
+        *,
+        callback_token: str | None = None,
+    ) -> Verified:
+        return self.verify_now(headers, body, now, callback_token=callback_token)
 
 
 # --- Checks shared by the verifiers (also used by aivedio.ingest.jwks) ---------------------------
@@ -266,7 +277,7 @@ class _HmacSha256:
         return outer.digest()
 
 
-class StandardWebhooksVerifier:
+class StandardWebhooksVerifier(ImmediateVerifier):
     """Standard Webhooks v1: ``webhook-id``, ``webhook-timestamp``, ``webhook-signature``.
 
     The signed content is ``{id}.{timestamp}.{body}`` (body as raw bytes), the signature
@@ -291,16 +302,6 @@ class StandardWebhooksVerifier:
             (version, _HmacSha256(decode_whsec(secret))) for version, secret in secrets
         )
         self._tolerance_s = check_tolerance(tolerance_s)
-
-    async def verify(
-        self,
-        headers: Mapping[str, str],
-        body: bytes,
-        now: float,
-        *,
-        callback_token: str | None = None,
-    ) -> Verified:
-        return self.verify_now(headers, body, now, callback_token=callback_token)
 
     def verify_now(
         self,
@@ -360,7 +361,7 @@ def mint_callback_token(secret: bytes, attempt_id: str) -> str:
     return f"{_b64url(raw_id)}.{_b64url(_token_tag(secret, raw_id))}"
 
 
-class CallbackTokenVerifier:
+class CallbackTokenVerifier(ImmediateVerifier):
     """For providers that sign nothing (Luma / Kling style): the callback URL carries a token.
 
     The submitter puts ``mint_callback_token(secret, attempt_id)`` in the ``webhook_url`` it hands
@@ -403,16 +404,6 @@ class CallbackTokenVerifier:
         if matched is None or not attempt_id:
             raise VerificationError(Reason.BAD_TOKEN)
         return attempt_id, matched
-
-    async def verify(
-        self,
-        headers: Mapping[str, str],
-        body: bytes,
-        now: float,
-        *,
-        callback_token: str | None = None,
-    ) -> Verified:
-        return self.verify_now(headers, body, now, callback_token=callback_token)
 
     def verify_now(
         self,
