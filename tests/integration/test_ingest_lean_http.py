@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from starlette.applications import Starlette
@@ -26,7 +27,12 @@ from starlette.routing import Route
 
 from aivedio.api.http import TraceMiddleware
 from aivedio.db.pool import Database
-from aivedio.ingest.gateway import CallbackConfig, StandardWebhooksJson, callback_routes
+from aivedio.ingest.gateway import (
+    CallbackConfig,
+    CallbackEndpoint,
+    StandardWebhooksJson,
+    callback_routes,
+)
 from aivedio.ingest.group_commit import InboxWriter
 from aivedio.ingest.verify import StandardWebhooksVerifier
 from tests.integration.test_callback_gateway import lean_server
@@ -375,3 +381,37 @@ async def test_many_concurrent_connections_group_their_rows(server: Server) -> N
     results = await asyncio.gather(*(one(i) for i in range(30)))
     assert all(s == [204] * 5 for s in results)
     assert len(await server.keys()) == 150
+
+
+@pytest.mark.parametrize("where", ["checks", "answer"])
+async def test_a_bug_on_the_way_answers_500_in_order_and_the_connection_goes_on(
+    server: Server, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A bug in the checks (before the row is queued) or in building the answer (after the
+    commit) is a 500 for that callback alone: never a 2xx, never a request left unanswered."""
+    calls = 0
+
+    def broken(original: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 2:  # the second callback of the connection only
+                raise RuntimeError("a bug")
+            return original(*args, **kwargs)
+
+        return call
+
+    name = "_prepare" if where == "checks" else "_stored"
+    monkeypatch.setattr(CallbackEndpoint, name, broken(getattr(CallbackEndpoint, name)))
+    reader, writer = await server.connect()
+    writer.write(b"".join(callback(seq, f"msg_bug_{seq}") for seq in range(3)))  # pipelined
+    statuses = [(await read_answer(reader)).status for _ in range(3)]
+    assert statuses == [204, 500, 204]
+    stored = await server.keys()
+    if where == "checks":
+        assert stored == ["msg_bug_0", "msg_bug_2"]  # nothing queued for the failed one
+    else:
+        assert sorted(stored) == ["msg_bug_0", "msg_bug_1", "msg_bug_2"]  # committed; a retry
+        # of msg_bug_1 is a duplicate and answers 204
+        writer.write(callback(1, "msg_bug_1"))
+        assert (await read_answer(reader)).status == 204

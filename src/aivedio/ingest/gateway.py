@@ -420,12 +420,18 @@ class CallbackEndpoint:
         reply: Callable[[Answer], None],
         outcome: Outcome | BaseException,
     ) -> None:
-        """The inbox writer's answer for a row of :meth:`finish_now`."""
-        if isinstance(outcome, BaseException):
-            rejection = _store_rejection(outcome, self.config)
-            reply(self._rejected(request.provider.name, rejection, request.trace_id))
-        else:
-            reply(self._stored(request, row, verified, outcome))
+        """The inbox writer's answer for a row of :meth:`finish_now`: always a reply."""
+        name = request.provider.name
+        try:
+            if isinstance(outcome, BaseException):
+                rejection = _store_rejection(outcome, self.config)
+                answer = self._rejected(name, rejection, request.trace_id)
+            else:
+                answer = self._stored(request, row, verified, outcome)
+        except Exception as exc:  # a bug counting or logging: the row's fate still gets out
+            log(logger, logging.ERROR, "callback answer failed", error=type(exc).__name__)
+            answer = _error_answer(_Reject(500, "internal", "internal"), request.trace_id)
+        reply(answer)
 
     async def handle(
         self,

@@ -185,12 +185,18 @@ class _Reply:
         try:
             answer = task.result()
         except (Exception, asyncio.CancelledError) as exc:
-            # a bug, or cancelled at shutdown: never a 2xx
-            log(access_logger, logging.ERROR, "callback failed", error=type(exc).__name__)
-            answer = _INTERNAL
+            self.failed(exc)  # cancelled at shutdown, or a bug
+            return
         self.done(answer)
 
+    def failed(self, exc: BaseException) -> None:
+        """A bug on the way to the answer: 500, never a 2xx, and the answer order kept."""
+        log(access_logger, logging.ERROR, "callback failed", error=type(exc).__name__)
+        self.done(_INTERNAL)
+
     def done(self, answer: Answer) -> None:
+        if self.slot.data is not None:  # answered already (a failure after the answer)
+            return
         conn = self.conn
         conn._fill(self.slot, answer, self.trace_id, self.keep_alive, self.method, self.started)
         conn._flush()
@@ -487,7 +493,11 @@ class CallbackProtocol(asyncio.Protocol):
         slot = _Slot()
         self.pending.append(slot)
         reply = _Reply(self, slot, request.trace_id, self.keep_alive, method, self.started)
-        if self.endpoint.finish_now(request, body, reply.done):
+        try:
+            if self.endpoint.finish_now(request, body, reply.done):
+                return
+        except Exception as exc:
+            reply.failed(exc)
             return
         token = trace_id_var.set(request.trace_id)  # the task's log lines carry it
         try:
