@@ -357,8 +357,12 @@ class InboxWriter:
     # -- the flusher ------------------------------------------------------------------------
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
         self._held = [_Held(self.db) for _ in range(max(1, self.config.max_inflight))]
-        slots = [asyncio.ensure_future(self._slot(held)) for held in self._held]
+        slots = [
+            loop.create_task(self._slot(held), name=f"inbox-group-commit-slot-{n}")
+            for n, held in enumerate(self._held)
+        ]
         try:
             await asyncio.gather(*slots)
         except asyncio.CancelledError:
@@ -495,7 +499,7 @@ class _Held:
         the batch is tried once more on a new connection: ``ON CONFLICT DO NOTHING`` makes
         the second try safe whether or not the first committed."""
         batch = _batch_json(rows)
-        reused = self.conn is not None
+        reused = self.conn is not None and _alive(self.conn)
         try:
             return await self._fetch(batch)
         except DatabaseUnavailable as exc:
