@@ -81,7 +81,9 @@ def test_subclasses_of_the_json_types_are_redacted_too() -> None:
     }
 
 
-def test_minimize_of_a_mapping_that_is_not_a_dict() -> None:
+def test_a_mapping_that_is_not_a_dict_is_redacted_too() -> None:
+    nested = {"inner": UserDict({"token": "t", "keep": 1})}
+    assert redact(nested, URL_KEYS) == {"inner": {"token": REDACTED, "keep": 1}}
     provider = StandardWebhooksJson("p", StandardWebhooksVerifier([("v", "whsec_" + "A" * 32)]))
     assert provider.minimize(UserDict({"secret": "s", "n": 1})) == {"secret": REDACTED, "n": 1}
 

@@ -161,6 +161,8 @@ def redact(value: Any, url_keys: frozenset[str] = frozenset()) -> Any:
         return _redact_dict(value, url_keys)
     if isinstance(value, list):
         return _redact_list(value, url_keys)
+    if isinstance(value, Mapping):  # any other mapping: redacted as the dict it would store
+        return _redact_dict(dict(value), url_keys)
     return value
 
 
@@ -272,8 +274,5 @@ class StandardWebhooksJson:
         )
 
     def minimize(self, payload: Mapping[str, Any]) -> dict[str, Any]:
-        # the payload itself when nothing is redacted (a copy along what changes)
-        result: dict[str, Any] = redact(
-            payload if isinstance(payload, dict) else dict(payload), self._url_keys
-        )
+        result: dict[str, Any] = redact(payload, self._url_keys)  # itself when unchanged
         return result

@@ -483,7 +483,8 @@ _HOLD_IDLE_S = 1.0
 class _Held:
     """A slot's pooled connection, kept from one batch to the next and given back after
     ``_HOLD_IDLE_S`` without rows: an acquire and a release per batch (asyncpg's pool: a
-    timeout, a shielded task) were a third of the writer's CPU for a one-row batch."""
+    timeout, a shielded task) were a third of the writer's CPU for a one-row batch (a one-off
+    profile of the writer alone)."""
 
     __slots__ = ("conn", "db")
 

@@ -62,10 +62,7 @@ class AdapterBase:
         return self._public_url + CALLBACK_PATH.format(name=self._name)
 
     def minimize(self, payload: Mapping[str, Any]) -> dict[str, Any]:
-        # the payload itself when nothing is redacted (a copy along what changes)
-        result: dict[str, Any] = redact(
-            payload if isinstance(payload, dict) else dict(payload), self.url_keys
-        )
+        result: dict[str, Any] = redact(payload, self.url_keys)  # itself when unchanged
         return result
 
     async def lookup(self, client_request_id: str) -> str | None:
