@@ -13,7 +13,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -235,6 +235,12 @@ class FailingState(StateService):
         await super().apply_in(conn, obs)
         raise RuntimeError("crash after apply")
 
+    async def apply_many_in(
+        self, conn: asyncpg.Connection, observations: Sequence[Observation]
+    ) -> list[ApplyResult]:
+        await super().apply_many_in(conn, observations)
+        raise RuntimeError("crash after apply")
+
 
 async def test_state_change_and_inbox_mark_share_one_transaction(env: Env) -> None:
     task_id, _, _ = await env.task(provider_task_id="gen_t")
@@ -343,6 +349,14 @@ class CountingState(StateService):
         await asyncio.sleep(0.005)  # widen the window in which a second processor could interfere
         return result
 
+    async def apply_many_in(
+        self, conn: asyncpg.Connection, observations: Sequence[Observation]
+    ) -> list[ApplyResult]:
+        results = await super().apply_many_in(conn, observations)
+        self.seen.extend(getattr(obs, "inbox_id", None) for obs in observations)
+        await asyncio.sleep(0.005)
+        return results
+
 
 async def test_two_processors_never_process_one_row_twice(env: Env) -> None:
     tasks = []
@@ -377,6 +391,180 @@ async def test_a_taken_over_lease_cannot_apply(env: Env) -> None:
     await slow._process(claimed, stale_token)  # the first claimer wakes up late
     assert seen == [claimed["id"]]
     assert await env.status(task_id) == "running"
+
+
+# --- batches: one project's rows of a claim in one transaction -------------------------------
+
+
+def burst(gen: str) -> list[dict[str, Any]]:
+    """A whole generation in webhooks: queued, running by steps of 10 points, succeeded."""
+    steps = [generation(gen, "queued", 1)]
+    steps += [generation(gen, "running", 2 + i, progress=10 * (i + 1)) for i in range(8)]
+    return [*steps, generation(gen, "succeeded", 10)]
+
+
+async def task_history(env: Env, task_id: uuid.UUID) -> list[Any]:
+    async with env.db.connection() as conn:
+        task = await conn.fetchrow(
+            "SELECT status, stage, progress, version FROM generation_tasks WHERE id = $1", task_id
+        )
+        events = await conn.fetch(
+            "SELECT task_version, public_payload->>'status' AS status,"
+            " public_payload->>'progress' AS progress FROM task_events"
+            " WHERE task_id = $1 ORDER BY seq",
+            task_id,
+        )
+        audit = await conn.fetch(
+            "SELECT outcome, reason, provider_sequence FROM observation_audit"
+            " WHERE task_id = $1 ORDER BY provider_sequence, id",
+            task_id,
+        )
+    assert task is not None
+    return [dict(task), [dict(e) for e in events], [dict(a) for a in audit]]
+
+
+async def transactions_of(env: Env, task_id: uuid.UUID) -> int:
+    """How many transactions wrote the task's webhook events (xmin: the inserting one)."""
+    async with env.db.connection() as conn:
+        return int(
+            await conn.fetchval(
+                "SELECT count(DISTINCT xmin::text) FROM task_events"
+                " WHERE task_id = $1 AND source = 'webhook'",
+                task_id,
+            )
+        )
+
+
+async def test_a_burst_in_one_batch_ends_as_one_by_one_in_one_transaction(env: Env) -> None:
+    one_task, _, _ = await env.task(provider_task_id="gen_single")
+    batch_task, _, _ = await env.task(provider_task_id="gen_batch")
+    for data in burst("gen_single"):
+        await env.post_sandbox(data)
+    assert await drain(env.processor(InboxConfig(batch_size=1))) == 10
+    for data in burst("gen_batch"):
+        await env.post_sandbox(data)
+    assert await drain(env.processor(InboxConfig(batch_size=64))) == 10
+    assert await task_history(env, one_task) == await task_history(env, batch_task)
+    assert (await task_history(env, batch_task))[0]["status"] == "provider_succeeded"
+    assert await transactions_of(env, one_task) == 10
+    assert await transactions_of(env, batch_task) == 1
+    assert {r["process_status"] for r in await env.inbox()} == {"processed"}
+
+
+async def test_stale_rows_in_a_batch_are_audited_not_applied(env: Env) -> None:
+    task_id, old_attempt, _ = await env.task(provider_task_id="gen_old")
+    await env.post_sandbox(generation("gen_old", "failed", 1, error={"code": "x", "message": "m"}))
+    await drain(env.processor())
+    assert await env.status(task_id) == "failed"
+    tasks = store(env.db, env.state)
+    await tasks.retry(env.project.principal, env.project.project_id, task_id, None)
+    async with env.db.connection() as conn:
+        new_attempt = await conn.fetchval(
+            "UPDATE task_attempts SET provider_task_id = 'gen_new'"
+            " WHERE task_id = $1 AND id <> $2 RETURNING id",
+            task_id,
+            old_attempt,
+        )
+    assert new_attempt is not None
+    # one claim: the new attempt's webhooks, a stale sequence among them, the old attempt's late
+    # success
+    await env.post_sandbox(generation("gen_new", "queued", 1))
+    await env.post_sandbox(generation("gen_new", "running", 3, progress=40))
+    await env.post_sandbox(generation("gen_new", "running", 2, progress=20))
+    await env.post_sandbox(generation("gen_old", "succeeded", 2))
+    assert await drain(env.processor()) == 4
+    assert await env.status(task_id) == "running"
+    _, events, audit = await task_history(env, task_id)
+    assert [e["progress"] for e in events if e["status"] == "running"] == ["40"]
+    reasons = {(a["reason"], a["provider_sequence"]) for a in audit}
+    assert ("stale_sequence", 2) in reasons and ("stale_attempt", 2) in reasons
+    assert {r["process_status"] for r in await env.inbox()} == {"processed"}
+
+
+class PoisonState(StateService):
+    """Refuses to apply the observations of the given inbox rows, alone or in a batch."""
+
+    def __init__(self, db: Database, poison: set[int]) -> None:
+        super().__init__(db)
+        self.poison = poison
+
+    def _check(self, observations: Sequence[Observation]) -> None:
+        if any(getattr(obs, "inbox_id", None) in self.poison for obs in observations):
+            raise RuntimeError("poison")
+
+    async def apply_in(self, conn: asyncpg.Connection, obs: Observation) -> ApplyResult:
+        self._check([obs])
+        return await super().apply_in(conn, obs)
+
+    async def apply_many_in(
+        self, conn: asyncpg.Connection, observations: Sequence[Observation]
+    ) -> list[ApplyResult]:
+        self._check(observations)
+        return await super().apply_many_in(conn, observations)
+
+
+async def test_a_row_that_fails_in_a_batch_is_deferred_alone(env: Env) -> None:
+    tasks = [(await env.task(provider_task_id=f"gen_p{i}"))[0] for i in range(4)]
+    for i in range(4):
+        await env.post_sandbox(generation(f"gen_p{i}", "running", 2))
+    rows = await env.inbox()
+    bad = rows[1]["id"]
+    assert await drain(env.processor(state=PoisonState(env.db, {bad}))) == 4
+    by_id = {r["id"]: r for r in await env.inbox()}
+    assert by_id[bad]["process_status"] == "retry"
+    assert by_id[bad]["last_error_code"] == "internal_error"
+    assert {r["process_status"] for i, r in by_id.items() if i != bad} == {"processed"}
+    statuses = [await env.status(t) for t in tasks]
+    assert statuses == ["running", "created", "running", "running"]
+    await env.make_due()
+    assert await drain(env.processor()) == 1  # the retry, once the bug is gone
+    assert await env.status(tasks[1]) == "running"
+
+
+class StealingProcessor(InboxProcessor):
+    """Another processor takes over the lease of some rows after they were prepared."""
+
+    stolen: set[int]
+
+    async def _prepare(self, row: asyncpg.Record, token: uuid.UUID) -> Any:
+        ready = await super()._prepare(row, token)
+        if row["id"] in self.stolen:
+            async with self.db.connection() as conn:
+                await conn.execute(
+                    "UPDATE provider_callback_inbox SET lease_token = $2 WHERE id = $1",
+                    row["id"],
+                    uuid.uuid4(),
+                )
+        return ready
+
+
+async def test_a_batch_that_lost_the_lease_of_some_rows_applies_none_of_them(env: Env) -> None:
+    tasks = [(await env.task(provider_task_id=f"gen_s{i}"))[0] for i in range(4)]
+    for i in range(4):
+        await env.post_sandbox(generation(f"gen_s{i}", "running", 2))
+    rows = await env.inbox()
+    stolen = {rows[0]["id"], rows[2]["id"]}
+    seen: list[int] = []
+    thief = StealingProcessor(env.db, CountingState(env.db, seen), env.adapters, FAST)
+    thief.stolen = stolen
+    assert await thief.process_once() == 4
+    assert sorted(seen) == sorted(r["id"] for r in rows if r["id"] not in stolen)
+    by_id = {r["id"]: r for r in await env.inbox()}
+    assert {by_id[i]["process_status"] for i in stolen} == {"pending"}
+    assert [await env.status(t) for t in tasks] == [
+        "created",
+        "running",
+        "created",
+        "running",
+    ]
+    async with env.db.connection() as conn:
+        assert (
+            await conn.fetchval(
+                "SELECT count(*) FROM observation_audit WHERE inbox_id = ANY($1::bigint[])",
+                list(stolen),
+            )
+            == 0
+        )
 
 
 # --- unsigned providers: re-fetch ------------------------------------------------------------

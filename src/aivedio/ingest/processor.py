@@ -7,13 +7,19 @@ Claim with a lease
     processors run side by side: SKIP LOCKED gives them disjoint rows, and the lease keeps a
     claimed row away from the others while it is worked on (a crashed processor's rows become
     due again when the lease passes).
-One transaction per row
-    Each row is applied in its own transaction: lock the row again *fenced by the token* (a
-    processor whose lease was taken over finds nothing and stops), ``StateService.apply_in``
-    with ``inbox_id`` set (the state service marks the row processed in the same transaction),
-    record the provider task id on the attempt if the callback taught it, commit. A failing row
-    rolls back alone. No HTTP call ever runs inside a transaction: the re-fetch of an unsigned
-    provider's job happens between the claim and the apply.
+One transaction per project of a claim
+    Each row is first prepared on its own, outside any transaction: normalized, mapped to its
+    attempt (and the attempt's project), re-fetched for unsigned providers (no HTTP call ever
+    runs inside a transaction). A row that cannot be applied now is deferred alone. The ready
+    rows of one project are then applied in ONE transaction: lock them again *fenced by the
+    token* (a row whose lease another processor took over is left out, and nothing of it is
+    written), ``StateService.apply_many_in`` in inbox id order (every observation decided as
+    ``apply`` would decide it, against the task as the rows before it left it; one stream-row
+    lock and one commit for the whole group; the state service marks each row processed in the
+    same transaction), record the provider task ids that callbacks taught, commit. If the group
+    fails for any reason but the database being away, it rolls back and its rows are applied one
+    by one, each in its own transaction, so a bad row goes to retry or dead letter alone and the
+    others commit.
 Mapping
     To the attempt by the callback token's attempt id (unsigned providers: the only
     authenticated id), else by ``(provider, provider_task_id)``, else by ``(provider,
@@ -52,7 +58,7 @@ from prometheus_client import Counter, Histogram
 
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
-from aivedio.domain.observation import Source
+from aivedio.domain.observation import ProviderObservation, Source
 from aivedio.errors import DatabaseUnavailable
 from aivedio.logs import log, trace_id_var
 from aivedio.providers.base import (
@@ -66,7 +72,7 @@ from aivedio.providers.base import (
     RateLimited,
     sample_of,
 )
-from aivedio.state.service import StateService
+from aivedio.state.service import ApplyResult, StateService
 
 if TYPE_CHECKING:
     from aivedio.roles import RoleParts
@@ -125,7 +131,8 @@ class InboxConfig:
     batch_size: int = 64
     """Most rows one claim takes."""
     concurrency: int = 8
-    """Rows of one batch processed at once (each in its own transaction)."""
+    """Rows of one claim prepared at once, and projects of one claim applied at once (each
+    project's rows in one transaction)."""
     lease_s: float = 60.0
     """How long a claimed row stays away from other processors."""
     idle_sleep_s: float = 0.02
@@ -157,6 +164,25 @@ class _Attempt:
     id: uuid.UUID
     client_request_id: str
     provider_task_id: str | None
+    project_id: uuid.UUID
+
+
+@dataclass(frozen=True, slots=True)
+class _Ready:
+    """A claimed row, prepared outside any transaction: what to apply, and where."""
+
+    row: asyncpg.Record
+    adapter: ProviderAdapter
+    attempt: _Attempt
+    state: JobState
+    obs: ProviderObservation
+    started: float  # perf_counter at the start of its processing
+
+    @property
+    def teaches_task_id(self) -> bool:
+        """The callback taught the attempt its provider task id (it came before the submit
+        response)."""
+        return self.attempt.provider_task_id is None and self.state.provider_task_id is not None
 
 
 class _Defer(Exception):
@@ -240,40 +266,52 @@ class InboxProcessor:
             return 0
         limit = asyncio.Semaphore(self.config.concurrency)
 
-        async def one(row: asyncpg.Record) -> None:
+        async def prepare(row: asyncpg.Record) -> _Ready | None:
             async with limit:
-                await self._process(row, token)
+                return await self._prepare(row, token)
 
-        await asyncio.gather(*(one(row) for row in rows))
+        prepared = await asyncio.gather(*(prepare(row) for row in rows))
+        groups: dict[uuid.UUID, list[_Ready]] = {}
+        for ready in prepared:
+            if ready is not None:
+                groups.setdefault(ready.attempt.project_id, []).append(ready)
+
+        async def apply(group: list[_Ready]) -> None:
+            async with limit:
+                await self._apply_group(group, token)
+
+        await asyncio.gather(*(apply(group) for group in groups.values()))
         return len(rows)
 
     # -- one row ---------------------------------------------------------------------------
 
     async def _process(self, row: asyncpg.Record, token: uuid.UUID) -> None:
+        """One row on its own: prepare it, then apply it in a transaction of its own."""
+        ready = await self._prepare(row, token)
+        if ready is not None:
+            await self._apply_one(ready, token)
+
+    async def _prepare(self, row: asyncpg.Record, token: uuid.UUID) -> _Ready | None:
+        """Normalize, map and (for unsigned providers) re-fetch one row; None when the row was
+        deferred (orphan / retry / dead) or left for later instead."""
         started = time.perf_counter()
         trace = trace_id_var.set(row["trace_id"])
         try:
-            await self._apply_row(row, token)
+            return await self._ready(row, started)
         except _Defer as defer:
             await self._defer(row, token, defer)
         except DatabaseUnavailable:
             # The lease runs out and the row is claimed again: nothing was committed.
             log(logger, logging.WARNING, "inbox row left for later", inbox_id=row["id"])
-        except Exception as exc:  # a bug or a refused write: retry, then dead letter
-            log(
-                logger,
-                logging.ERROR,
-                "inbox row failed",
-                inbox_id=row["id"],
-                provider=row["provider"],
-                error=type(exc).__name__,
-            )
+        except Exception as exc:  # a bug: retry, then dead letter
+            self._failed(row, exc)
             await self._defer(row, token, _Defer("parse", "internal_error"))
         finally:
             trace_id_var.reset(trace)
-            PROCESS_SECONDS.observe(time.perf_counter() - started)
+        PROCESS_SECONDS.observe(time.perf_counter() - started)
+        return None
 
-    async def _apply_row(self, row: asyncpg.Record, token: uuid.UUID) -> None:
+    async def _ready(self, row: asyncpg.Record, started: float) -> _Ready:
         provider = row["provider"]
         adapter = self.adapters.get(provider)
         if adapter is None:
@@ -290,7 +328,17 @@ class InboxProcessor:
         state = claimed
         if adapter.needs_refetch_on_callback or not fields.payload_authenticated:
             state = await self._refetch(adapter, attempt, claimed)
-        await self._apply(row, token, adapter, attempt, state)
+        obs = state.observation(
+            adapter.name,
+            attempt.id,
+            Source.WEBHOOK,
+            provider_event_id=row["provider_event_id"],
+            dedup_key=row["dedup_key"],
+            received_at=row["received_at"],
+            inbox_id=row["id"],
+            trace_id=row["trace_id"],
+        )
+        return _Ready(row, adapter, attempt, state, obs, started)
 
     async def _map(self, row: asyncpg.Record, fields: InboxFields, claimed: JobState) -> _Attempt:
         provider = fields.provider
@@ -314,7 +362,9 @@ class InboxProcessor:
                     raise _Defer("orphan", "task_id_mismatch")
         if found is None:
             raise _Defer("orphan", "unmapped")
-        return _Attempt(found["id"], found["client_request_id"], found["provider_task_id"])
+        return _Attempt(
+            found["id"], found["client_request_id"], found["provider_task_id"], found["project_id"]
+        )
 
     async def _refetch(
         self, adapter: ProviderAdapter, attempt: _Attempt, claimed: JobState
@@ -355,45 +405,107 @@ class InboxProcessor:
             output_ref=state.output_ref,
         )
 
-    async def _apply(
-        self,
-        row: asyncpg.Record,
-        token: uuid.UUID,
-        adapter: ProviderAdapter,
-        attempt: _Attempt,
-        state: JobState,
-    ) -> None:
-        obs = state.observation(
-            adapter.name,
-            attempt.id,
-            Source.WEBHOOK,
-            provider_event_id=row["provider_event_id"],
-            dedup_key=row["dedup_key"],
-            received_at=row["received_at"],
-            inbox_id=row["id"],
-            trace_id=row["trace_id"],
-        )
-        async with self.db.transaction() as conn:
-            if await conn.fetchval(q("inbox_lock_claimed"), row["id"], token) is None:
-                log(logger, logging.INFO, "inbox row taken over", inbox_id=row["id"])
-                return
-            result = await self.state.apply_in(conn, obs)
-            if attempt.provider_task_id is None and state.provider_task_id is not None:
-                await conn.execute(
-                    q("attempt_record_provider_task_id"), attempt.id, state.provider_task_id
-                )
-            await conn.execute(q("inbox_finish"), row["id"])
-        PROCESSED.labels(adapter.name, str(result.outcome)).inc()
+    # -- applying ------------------------------------------------------------------------------
+
+    async def _apply_group(self, group: list[_Ready], token: uuid.UUID) -> None:
+        """One project's prepared rows in one transaction, in inbox id order; see the module doc.
+        A group of one is the one-row path."""
+        if len(group) == 1:
+            await self._apply_one(group[0], token)
+            return
+        group.sort(key=lambda ready: ready.row["id"])
+        try:
+            async with self.db.transaction() as conn:
+                ours = {
+                    r["id"]
+                    for r in await conn.fetch(
+                        q("inbox_lock_claimed_many"), [ready.row["id"] for ready in group], token
+                    )
+                }
+                live = [ready for ready in group if ready.row["id"] in ours]
+                results = await self.state.apply_many_in(conn, [ready.obs for ready in live])
+                taught = {ready.attempt.id: ready for ready in live if ready.teaches_task_id}
+                if taught:
+                    await conn.execute(
+                        q("attempt_record_provider_task_ids"),
+                        list(taught),
+                        [ready.state.provider_task_id for ready in taught.values()],
+                    )
+                await conn.execute(q("inbox_finish_many"), sorted(ours))
+        except DatabaseUnavailable:
+            log(logger, logging.WARNING, "inbox rows left for later", rows=len(group))
+            return
+        except Exception as exc:  # one bad row must not hold back the others: one by one
+            log(
+                logger,
+                logging.WARNING,
+                "inbox batch failed; applying its rows one by one",
+                rows=len(group),
+                error=type(exc).__name__,
+            )
+            for ready in group:
+                await self._apply_one(ready, token)
+            return
+        for ready in group:
+            if ready.row["id"] not in ours:
+                log(logger, logging.INFO, "inbox row taken over", inbox_id=ready.row["id"])
+        for ready, result in zip(live, results, strict=True):
+            self._processed(ready, result)
+
+    async def _apply_one(self, ready: _Ready, token: uuid.UUID) -> None:
+        """One prepared row in its own transaction; a failure defers it (retry, dead letter)."""
+        row = ready.row
+        trace = trace_id_var.set(row["trace_id"])
+        try:
+            async with self.db.transaction() as conn:
+                if await conn.fetchval(q("inbox_lock_claimed"), row["id"], token) is None:
+                    log(logger, logging.INFO, "inbox row taken over", inbox_id=row["id"])
+                    return
+                result = await self.state.apply_in(conn, ready.obs)
+                if ready.teaches_task_id:
+                    await conn.execute(
+                        q("attempt_record_provider_task_id"),
+                        ready.attempt.id,
+                        ready.state.provider_task_id,
+                    )
+                await conn.execute(q("inbox_finish"), row["id"])
+            self._processed(ready, result)
+        except DatabaseUnavailable:
+            # The lease runs out and the row is claimed again: nothing was committed.
+            log(logger, logging.WARNING, "inbox row left for later", inbox_id=row["id"])
+        except Exception as exc:  # a bug or a refused write: retry, then dead letter
+            self._failed(row, exc)
+            await self._defer(row, token, _Defer("parse", "internal_error"))
+        finally:
+            trace_id_var.reset(trace)
+
+    def _processed(self, ready: _Ready, result: ApplyResult) -> None:
+        row = ready.row
+        PROCESSED.labels(ready.adapter.name, str(result.outcome)).inc()
+        PROCESS_SECONDS.observe(time.perf_counter() - ready.started)
         LAG_SECONDS.observe(max(0.0, (datetime.now(UTC) - row["received_at"]).total_seconds()))
         log(
             logger,
             logging.DEBUG,
             "inbox row processed",
             inbox_id=row["id"],
-            provider=adapter.name,
+            provider=ready.adapter.name,
             outcome=str(result.outcome),
             reason=str(result.reason) if result.reason else None,
             task_id=str(result.task_id) if result.task_id else None,
+            trace_id=row["trace_id"],
+        )
+
+    @staticmethod
+    def _failed(row: asyncpg.Record, exc: Exception) -> None:
+        log(
+            logger,
+            logging.ERROR,
+            "inbox row failed",
+            inbox_id=row["id"],
+            provider=row["provider"],
+            error=type(exc).__name__,
+            trace_id=row["trace_id"],
         )
 
     async def _defer(self, row: asyncpg.Record, token: uuid.UUID, defer: _Defer) -> None:

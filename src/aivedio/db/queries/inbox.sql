@@ -26,6 +26,22 @@ SELECT id FROM provider_callback_inbox
 WHERE id = $1 AND lease_token = $2 AND process_status IN ('pending', 'retry', 'orphan')
 FOR UPDATE
 
+-- name: inbox_lock_claimed_many
+-- inbox_lock_claimed for one project's rows of a claim ($1 ids): those still ours (token $2) and
+-- unprocessed, locked in id order. A row another processor took over is not returned.
+SELECT id FROM provider_callback_inbox
+WHERE id = ANY($1::bigint[]) AND lease_token = $2
+  AND process_status IN ('pending', 'retry', 'orphan')
+ORDER BY id
+FOR UPDATE
+
+-- name: inbox_finish_many
+-- inbox_finish for the rows ($1 ids) of one batch transaction.
+UPDATE provider_callback_inbox
+SET process_status = 'processed', processed_at = COALESCE(processed_at, now()),
+    lease_until = NULL, lease_token = NULL
+WHERE id = ANY($1::bigint[])
+
 -- name: inbox_finish
 -- The state service marked the row processed in this transaction; also drop the lease.
 UPDATE provider_callback_inbox
@@ -50,16 +66,27 @@ WHERE id = $1 AND lease_token = $2 AND process_status IN ('pending', 'retry', 'o
 RETURNING process_status, retry_count
 
 -- name: attempt_by_id
-SELECT id, provider, client_request_id, provider_task_id
-FROM task_attempts WHERE id = $1 AND provider = $2
+-- The attempt a callback belongs to, with its task's project (the processor applies one
+-- project's rows of a claim in one transaction).
+SELECT a.id, a.provider, a.client_request_id, a.provider_task_id, t.project_id
+FROM task_attempts a JOIN generation_tasks t ON t.id = a.task_id
+WHERE a.id = $1 AND a.provider = $2
 
 -- name: attempt_by_provider_task
-SELECT id, provider, client_request_id, provider_task_id
-FROM task_attempts WHERE provider = $1 AND provider_task_id = $2
+SELECT a.id, a.provider, a.client_request_id, a.provider_task_id, t.project_id
+FROM task_attempts a JOIN generation_tasks t ON t.id = a.task_id
+WHERE a.provider = $1 AND a.provider_task_id = $2
 
 -- name: attempt_by_client_request
-SELECT id, provider, client_request_id, provider_task_id
-FROM task_attempts WHERE provider = $1 AND client_request_id = $2
+SELECT a.id, a.provider, a.client_request_id, a.provider_task_id, t.project_id
+FROM task_attempts a JOIN generation_tasks t ON t.id = a.task_id
+WHERE a.provider = $1 AND a.client_request_id = $2
+
+-- name: attempt_record_provider_task_ids
+-- attempt_record_provider_task_id for a batch: $1 attempt ids, $2 provider task ids.
+UPDATE task_attempts AS a SET provider_task_id = v.provider_task_id, updated_at = now()
+FROM unnest($1::uuid[], $2::text[]) AS v (id, provider_task_id)
+WHERE a.id = v.id AND a.provider_task_id IS NULL
 
 -- name: attempt_record_provider_task_id
 -- A callback that arrived before the submit response taught us the provider's id for the job.
