@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import asyncpg
 
 from aivedio.config import Settings
 from aivedio.db.migrate import migrations
 from aivedio.db.pool import Database
+from aivedio.db.wakeup import Signal
 from aivedio.errors import AivedioError
 from aivedio.services.embedded import ServiceUrls
 from aivedio.state.service import StateService
@@ -40,12 +41,23 @@ async def check_schema(db: Database) -> None:
 
 
 @dataclass
+class Wakeups:
+    """The in-process wake-ups between the roles of one process (aivedio.db.wakeup)."""
+
+    inbox: Signal = field(default_factory=Signal)
+    """Fired by the callbacks' group commit after it stored new callbacks."""
+    outbox: Signal = field(default_factory=Signal)
+    """Fired after a commit that wrote outbox rows (the inbox processor's batches)."""
+
+
+@dataclass
 class Runtime:
     settings: Settings
     urls: ServiceUrls
     db: Database
     state: StateService
     tasks: TaskStore
+    wakeups: Wakeups = field(default_factory=Wakeups)
 
     @classmethod
     async def open(cls, settings: Settings, urls: ServiceUrls) -> Runtime:

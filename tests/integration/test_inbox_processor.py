@@ -14,7 +14,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
 from urllib.parse import urlsplit
@@ -29,7 +29,13 @@ from aivedio.db.pool import Database
 from aivedio.domain.observation import Observation
 from aivedio.ingest.gateway import CallbackConfig, callback_routes
 from aivedio.ingest.group_commit import InboxWriter
-from aivedio.ingest.processor import InboxConfig, InboxProcessor, list_dead_letters, replay
+from aivedio.ingest.processor import (
+    IDLE_LOCK,
+    InboxConfig,
+    InboxProcessor,
+    list_dead_letters,
+    replay,
+)
 from aivedio.providers.base import ProviderAdapter, SubmitRequest
 from aivedio.providers.kling import KlingAdapter
 from aivedio.providers.registry import callback_providers, versioned
@@ -565,6 +571,68 @@ async def test_a_batch_that_lost_the_lease_of_some_rows_applies_none_of_them(env
             )
             == 0
         )
+
+
+# --- waking an idle processor ----------------------------------------------------------------
+
+ASLEEP = replace(FAST, poll_s=300.0)  # a poll that never comes within a test: only a wake-up
+
+
+async def sleeping_on_the_idle_lock(env: Env) -> bool:
+    async with env.db.connection() as conn:
+        return bool(
+            await conn.fetchval(
+                "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory'"
+                " AND granted AND objid = $1 AND database = (SELECT oid FROM pg_database"
+                " WHERE datname = current_database()))",
+                IDLE_LOCK,
+            )
+        )
+
+
+async def test_an_idle_processor_is_woken_by_the_notify_of_a_stored_callback(env: Env) -> None:
+    task_id, _, _ = await env.task(provider_task_id="gen_w")
+    processor = env.processor(ASLEEP)
+    stopping = asyncio.Event()
+    job = asyncio.create_task(processor.run(stopping))
+    try:
+        await wait_for(lambda: sleeping_on_the_idle_lock(env))
+        await env.post_sandbox(generation("gen_w", "running", 2))  # another writer, no kick
+
+        async def applied() -> bool:
+            return await env.status(task_id) == "running"
+
+        await wait_for(applied)
+    finally:
+        stopping.set()
+        await job
+    assert not await sleeping_on_the_idle_lock(env)  # the listening session is gone
+
+
+async def test_a_kick_wakes_the_processor_when_it_cannot_listen(env: Env) -> None:
+    task_id, _, _ = await env.task(provider_task_id="gen_k")
+    processor = env.processor(ASLEEP)
+    unreachable = replace(env.db.config, url="postgresql://127.0.0.1:1/none", acquire_timeout_s=1)
+    processor.idle.db = Database(env.db.pool, unreachable)  # only the listener uses its URL
+    stopping = asyncio.Event()
+    job = asyncio.create_task(processor.run(stopping))
+    try:
+
+        async def asleep() -> bool:
+            return processor.idle.waits > 0
+
+        await wait_for(asleep)  # without a listener: only a kick (or the poll) wakes it
+        await env.post_sandbox(generation("gen_k", "running", 2))
+        assert await env.status(task_id) == "created"
+        processor.idle.kick()  # what the group commit of its process does after storing
+
+        async def applied() -> bool:
+            return await env.status(task_id) == "running"
+
+        await wait_for(applied)
+    finally:
+        stopping.set()
+        await job
 
 
 # --- unsigned providers: re-fetch ------------------------------------------------------------

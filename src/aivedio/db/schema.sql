@@ -138,6 +138,20 @@ CREATE INDEX idx_callback_inbox_retention ON provider_callback_inbox (processed_
 CREATE INDEX idx_callback_inbox_dead ON provider_callback_inbox (id)
     WHERE process_status = 'dead';
 
+-- Wakes an idle inbox processor (LISTEN aivedio_inbox); notifies only while a processor holds
+-- advisory lock 1229865560, see migrations 0003 and 0009.
+CREATE FUNCTION aivedio_inbox_notify() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NOT pg_try_advisory_xact_lock_shared(1229865560) THEN
+        PERFORM pg_notify('aivedio_inbox', '');
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER trg_inbox_notify AFTER INSERT ON provider_callback_inbox
+    FOR EACH STATEMENT EXECUTE FUNCTION aivedio_inbox_notify();
+
 CREATE TABLE task_events (
     project_id      UUID        NOT NULL REFERENCES projects (id),
     epoch           BIGINT      NOT NULL,

@@ -280,9 +280,17 @@ def _resolver(future: asyncio.Future[Outcome]) -> Done:
 class InboxWriter:
     """Queue + one flusher task. ``start()`` once, ``await close()`` at shutdown."""
 
-    def __init__(self, db: Database, config: GroupCommitConfig | None = None) -> None:
+    def __init__(
+        self,
+        db: Database,
+        config: GroupCommitConfig | None = None,
+        *,
+        on_stored: Callable[[], None] | None = None,
+    ) -> None:
         self.db = db
         self.config = config or GroupCommitConfig()
+        self._on_stored = on_stored
+        """Called after a batch committed new rows (wakes the inbox processor of this process)."""
         self._queue: deque[_Waiter] = deque()
         self._wakeup = asyncio.Event()
         self._full = asyncio.Event()
@@ -442,6 +450,8 @@ class InboxWriter:
             return
         finally:
             INSERT_SECONDS.observe(time.perf_counter() - started)
+        if inserted and self._on_stored is not None:
+            self._on_stored()
         for key, waiter in first.items():
             _settle(waiter, Outcome.NEW if key in inserted else Outcome.DUPLICATE)
         for waiter in repeats:
@@ -461,6 +471,8 @@ class InboxWriter:
                 log(logger, logging.ERROR, "inbox row refused", sqlstate=exc.sqlstate)
                 failed[key] = InboxError("the callback could not be stored")
             else:
+                if inserted and self._on_stored is not None:
+                    self._on_stored()
                 _settle(waiter, Outcome.NEW if key in inserted else Outcome.DUPLICATE)
                 continue
             _settle(waiter, failed[key])

@@ -42,7 +42,6 @@ Failures
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import re
@@ -58,6 +57,7 @@ from prometheus_client import Counter, Histogram
 
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
+from aivedio.db.wakeup import IdleListener, wait_any
 from aivedio.domain.observation import ProviderObservation, Source
 from aivedio.errors import DatabaseUnavailable
 from aivedio.logs import log, trace_id_var
@@ -88,6 +88,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger("aivedio.ingest.processor")
+
+NOTIFY_CHANNEL = "aivedio_inbox"
+IDLE_LOCK = 0x494E4258  # "INBX"; the same number is in migration 0009's trigger
 
 PROCESSED = Counter(
     "aivedio_inbox_processed_total",
@@ -135,9 +138,10 @@ class InboxConfig:
     project's rows in one transaction)."""
     lease_s: float = 60.0
     """How long a claimed row stays away from other processors."""
-    idle_sleep_s: float = 0.02
-    max_idle_sleep_s: float = 0.5
-    """Sleep after an empty claim, doubling up to the max; a non-empty claim resets it."""
+    poll_s: float = 0.5
+    """After an empty claim the processor sleeps until a stored callback wakes it (an in-process
+    kick, or NOTIFY: :class:`aivedio.db.wakeup.IdleListener`), or at most this long (rows whose
+    retry became due, a lost listening connection)."""
     orphan_max_tries: int = 8
     orphan_backoff_base_s: float = 1.0
     orphan_backoff_cap_s: float = 300.0
@@ -230,30 +234,43 @@ class InboxProcessor:
         state: StateService,
         adapters: Mapping[str, ProviderAdapter],
         config: InboxConfig | None = None,
+        *,
+        on_applied: Callable[[], None] | None = None,
     ) -> None:
         self.db = db
+        self._on_applied = on_applied
+        """Called after a commit that wrote events (wakes the outbox relay of this process)."""
         self.state = state
         self.adapters = dict(adapters)
         self.config = config or InboxConfig()
+        self.idle = IdleListener(
+            db,
+            channel=NOTIFY_CHANNEL,
+            lock_key=IDLE_LOCK,
+            has_work_sql=q("inbox_has_work"),
+            poll_s=self.config.poll_s,
+            name="inbox",
+        )
+        """The processor's sleep; ``idle.kick()`` wakes it (the group commit of its process
+        calls it after storing callbacks)."""
 
     async def run(self, stopping: asyncio.Event) -> None:
-        """Process until ``stopping`` is set. A database outage pauses, never ends, the loop."""
-        idle = self.config.idle_sleep_s
-        while not stopping.is_set():
-            try:
-                claimed = await self.process_once()
-            except DatabaseUnavailable:
-                log(logger, logging.WARNING, "inbox processor: database unavailable")
-                claimed = 0
-                idle = self.config.error_backoff_s
-            if claimed >= self.config.batch_size:
-                idle = self.config.idle_sleep_s
-                continue
-            if claimed:
-                idle = self.config.idle_sleep_s
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stopping.wait(), idle)
-            idle = min(idle * 2, self.config.max_idle_sleep_s)
+        """Process until ``stopping`` is set: claim again at once after a claim that found rows,
+        sleep until woken after an empty one. A database outage pauses, never ends, the loop."""
+        try:
+            while not stopping.is_set():
+                try:
+                    claimed = await self.process_once()
+                except DatabaseUnavailable:
+                    log(logger, logging.WARNING, "inbox processor: database unavailable")
+                    await wait_any(stopping, self.config.error_backoff_s)
+                    continue
+                if claimed:
+                    self.idle.worked()
+                    continue
+                await self.idle.sleep(stopping)
+        finally:
+            await self.idle.close()
 
     async def process_once(self) -> int:
         """Claim one batch and process every row of it; return how many rows were claimed."""
@@ -446,6 +463,7 @@ class InboxProcessor:
             for ready in group:
                 await self._apply_one(ready, token)
             return
+        self._committed(results)
         for ready in group:
             if ready.row["id"] not in ours:
                 log(logger, logging.INFO, "inbox row taken over", inbox_id=ready.row["id"])
@@ -469,6 +487,7 @@ class InboxProcessor:
                         ready.state.provider_task_id,
                     )
                 await conn.execute(q("inbox_finish"), row["id"])
+            self._committed([result])
             self._processed(ready, result)
         except DatabaseUnavailable:
             # The lease runs out and the row is claimed again: nothing was committed.
@@ -478,6 +497,10 @@ class InboxProcessor:
             await self._defer(row, token, _Defer("parse", "internal_error"))
         finally:
             trace_id_var.reset(trace)
+
+    def _committed(self, results: list[ApplyResult]) -> None:
+        if self._on_applied is not None and any(r.event is not None for r in results):
+            self._on_applied()
 
     def _processed(self, ready: _Ready, result: ApplyResult) -> None:
         row = ready.row
@@ -607,12 +630,14 @@ async def inbox_role(rt: Runtime) -> RoleParts:
     from aivedio.roles import RoleParts
 
     adapters = build_providers(providers_config(rt.settings))
-    processor = InboxProcessor(rt.db, rt.state, adapters)
+    processor = InboxProcessor(rt.db, rt.state, adapters, on_applied=rt.wakeups.outbox.fire)
 
     async def loop(stopping: asyncio.Event) -> None:
+        rt.wakeups.inbox.subscribe(processor.idle.kick)
         try:
             await processor.run(stopping)
         finally:
+            rt.wakeups.inbox.unsubscribe(processor.idle.kick)
             for adapter in adapters.values():
                 await adapter.aclose()
 

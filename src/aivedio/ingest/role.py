@@ -17,7 +17,11 @@ async def callbacks_role(rt: Runtime) -> RoleParts:
     from aivedio.roles import RoleParts
 
     adapters = build_providers(providers_config(rt.settings))
-    writer = InboxWriter(rt.db, GroupCommitConfig(max_inflight=rt.settings.callback_max_inflight))
+    writer = InboxWriter(
+        rt.db,
+        GroupCommitConfig(max_inflight=rt.settings.callback_max_inflight),
+        on_stored=rt.wakeups.inbox.fire,
+    )
     writer.start()
 
     async def close() -> None:

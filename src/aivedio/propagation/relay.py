@@ -12,10 +12,11 @@ Order: a task's next row is not claimable while an older one is pending, whoever
 task never has two events in flight, across any number of relays (``docs/explanation/
 propagation.md`` has the argument). The price: a task with k pending events needs k rounds.
 
-Waking: after an empty round the relay sleeps on ``LISTEN aivedio_outbox`` holding advisory lock
-:data:`IDLE_LOCK`; the insert trigger notifies only while that lock is held (see migration 0003),
-and the relay re-checks for work once it holds the lock. A poll every ``poll_interval_s`` is the
-safety net (lost connection, rows whose retry became due).
+Waking: after an empty round the relay sleeps in :class:`aivedio.db.wakeup.IdleListener` on
+``LISTEN aivedio_outbox`` holding advisory lock :data:`IDLE_LOCK`; the insert trigger notifies
+only while that lock is held (see migration 0003), and the relay re-checks for work once it holds
+the lock. A poll every ``poll_interval_s`` is the safety net (lost connection, rows whose retry
+became due).
 """
 
 from __future__ import annotations
@@ -32,9 +33,9 @@ import asyncpg
 from prometheus_client import Counter, Gauge, Histogram
 
 from aivedio.bus import Bus, BusError, BusUnavailable, OutgoingMessage, PublishAck
-from aivedio.db.pool import UNAVAILABLE_ERRORS, Database
+from aivedio.db.pool import Database
 from aivedio.db.queries import q
-from aivedio.errors import DatabaseUnavailable
+from aivedio.db.wakeup import DB_ERRORS, IdleListener, wait_any
 from aivedio.logs import log
 
 __all__ = [
@@ -79,12 +80,6 @@ DEAD = Counter(
     "aivedio_outbox_dead_total", "Outbox rows given up on after repeated broker rejections"
 )
 
-# What a round, the listener or the stats query may raise when PostgreSQL misbehaves.
-DB_ERRORS: tuple[type[BaseException], ...] = (
-    DatabaseUnavailable,
-    asyncpg.PostgresError,
-    *UNAVAILABLE_ERRORS,
-)
 
 # Called after the broker acked a batch and before the rows are marked: tests inject a crash here.
 AfterPublish = Callable[[Sequence[asyncpg.Record]], Awaitable[None]]
@@ -152,10 +147,15 @@ class OutboxRelay:
         self.bus = bus
         self.config = config or RelayConfig()
         self._after_publish = after_publish
-        self._wake = asyncio.Event()
-        self._listener: asyncpg.Connection | None = None
-        self._busy_rechecks = 0  # re-checks that saw work another relay then held
-        self._unlocking: asyncio.Future[str] | None = None  # the idle lock's release, in flight
+        self.idle = IdleListener(
+            db,
+            channel=NOTIFY_CHANNEL,
+            lock_key=IDLE_LOCK,
+            has_work_sql=q("outbox_has_work"),
+            poll_s=self.config.poll_interval_s,
+            name="outbox",
+        )
+        """The relay's sleep; ``idle.kick()`` wakes it after a commit in this process."""
         self._since_vacuum = 0  # rows this relay published since its last vacuum
         self._vacuuming: asyncio.Task[None] | None = None
 
@@ -294,28 +294,28 @@ class OutboxRelay:
                 except DB_ERRORS as exc:
                     failures += 1
                     log(logger, logging.WARNING, "outbox relay round failed", error=repr(exc))
-                    await _wait(stopping, min(cfg.poll_interval_s, 0.1 * 2**failures))
+                    await wait_any(stopping, min(cfg.poll_interval_s, 0.1 * 2**failures))
                     continue
                 self._since_vacuum += result.published
                 if result.claimed < cfg.batch_size:
                     self._maybe_vacuum()
                 if result.claimed:
-                    self._busy_rechecks = 0
+                    self.idle.worked()
                     if result.broker_down:
-                        await _wait(stopping, cfg.broker_pause_s)
+                        await wait_any(stopping, cfg.broker_pause_s)
                     elif result.published:
                         busy_until = loop.time() + cfg.busy_window_s
                     continue
                 if loop.time() < busy_until:
                     await self._poll_while_busy(stopping, busy_until)
                     continue
-                await self._sleep(stopping)
+                await self.idle.sleep(stopping)
         finally:
             stats.cancel()
             if self._vacuuming is not None:
                 self._vacuuming.cancel()
             await asyncio.gather(stats, *filter(None, [self._vacuuming]), return_exceptions=True)
-            await self._drop_listener()
+            await self.idle.close()
 
     def _maybe_vacuum(self) -> None:
         cfg = self.config
@@ -368,96 +368,13 @@ class OutboxRelay:
             except DB_ERRORS:
                 return  # the next round reports it
 
-    async def _sleep(self, stopping: asyncio.Event) -> None:
-        """Wait for a NOTIFY (or the poll interval) holding the idle lock; see the module doc."""
-        poll = self.config.poll_interval_s
-        if self._unlocking is not None:
-            unlocking, self._unlocking = self._unlocking, None
-            try:
-                await unlocking
-            except DB_ERRORS as exc:
-                log(logger, logging.WARNING, "outbox listener lost", error=repr(exc))
-                await self._drop_listener()
-        listener = await self._connect_listener()
-        if listener is None:
-            await _wait(stopping, poll)
-            return
-        self._wake.clear()
-        try:
-            # Bounded by lock_timeout: another relay may be asleep holding it (it gets the
-            # same notifications); in-flight writers hold it shared only until they commit.
-            await listener.execute("SELECT pg_advisory_lock($1)", IDLE_LOCK)
-        except asyncpg.LockNotAvailableError:
-            return
-        except DB_ERRORS as exc:
-            log(logger, logging.WARNING, "outbox listener lost", error=repr(exc))
-            await self._drop_listener()
-            return
-        try:
-            # A writer that committed before we held the lock did not notify: look once more.
-            work = bool(await listener.fetchval(q("outbox_has_work")))
-            if work:
-                await listener.execute("SELECT pg_advisory_unlock($1)", IDLE_LOCK)
-            else:
-                await _wait(stopping, poll, self._wake)
-                # Woken: claim at once and release the lock meanwhile (one round trip less on
-                # the wake-up path); the next sleep waits for the release first.
-                self._unlocking = asyncio.ensure_future(
-                    listener.execute("SELECT pg_advisory_unlock($1)", IDLE_LOCK)
-                )
-        except DB_ERRORS as exc:
-            log(logger, logging.WARNING, "outbox listener lost", error=repr(exc))
-            await self._drop_listener()  # closing the session releases the lock
-            return
-        if work:
-            # Work we could not claim is held by another relay: back off a little, not spin.
-            self._busy_rechecks += 1
-            if self._busy_rechecks > 1:
-                await _wait(stopping, min(0.001 * self._busy_rechecks, 0.02))
-
-    async def _connect_listener(self) -> asyncpg.Connection | None:
-        if self._listener is not None and not self._listener.is_closed():
-            return self._listener
-        self._listener = None
-        try:
-            conn = await asyncpg.connect(
-                self.db.config.url, timeout=self.db.config.acquire_timeout_s
-            )
-        except DB_ERRORS as exc:
-            log(logger, logging.WARNING, "outbox listener cannot connect", error=repr(exc))
-            return None
-        try:
-            timeout_ms = max(1, int(self.config.poll_interval_s * 1000))
-            await conn.execute(f"SET lock_timeout = {timeout_ms}")
-            await conn.add_listener(NOTIFY_CHANNEL, self._on_notify)
-        except DB_ERRORS as exc:
-            log(logger, logging.WARNING, "outbox listener setup failed", error=repr(exc))
-            conn.terminate()
-            return None
-        self._listener = conn
-        return conn
-
-    def _on_notify(self, *_: object) -> None:
-        self._wake.set()
-
-    async def _drop_listener(self) -> None:
-        if self._unlocking is not None:
-            unlocking, self._unlocking = self._unlocking, None
-            await asyncio.gather(unlocking, return_exceptions=True)
-        conn, self._listener = self._listener, None
-        if conn is not None and not conn.is_closed():
-            try:
-                await asyncio.wait_for(conn.close(), timeout=2.0)
-            except DB_ERRORS:
-                conn.terminate()
-
     async def _stats_loop(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():
             try:
                 await self.update_gauges()
             except DB_ERRORS as exc:
                 log(logger, logging.DEBUG, "outbox stats failed", error=repr(exc))
-            await _wait(stopping, self.config.stats_interval_s)
+            await wait_any(stopping, self.config.stats_interval_s)
 
     async def update_gauges(self) -> tuple[int, float]:
         """Refresh the backlog gauges; returns (pending rows, age of the oldest in seconds)."""
@@ -467,16 +384,3 @@ class OutboxRelay:
         BACKLOG.set(row["backlog"])
         OLDEST_AGE.set(row["oldest_age_s"])
         return int(row["backlog"]), float(row["oldest_age_s"])
-
-
-async def _wait(stopping: asyncio.Event, timeout: float, wake: asyncio.Event | None = None) -> None:  # noqa: ASYNC109
-    """Sleep up to ``timeout``; return early when ``stopping`` (or ``wake``) is set."""
-    events = [stopping] if wake is None else [stopping, wake]
-    if any(e.is_set() for e in events):
-        return
-    waiters = [asyncio.ensure_future(e.wait()) for e in events]
-    try:
-        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for w in waiters:
-            w.cancel()

@@ -67,10 +67,14 @@ async def relay_role(
         bus = await connect_bus(bus_cfg, stopping)
         if bus is None:
             return
+        relays = [OutboxRelay(rt.db, bus, config) for _ in range(max(1, replicas))]
+        for relay in relays:
+            rt.wakeups.outbox.subscribe(relay.idle.kick)
         try:
-            relays = [OutboxRelay(rt.db, bus, config) for _ in range(max(1, replicas))]
             await asyncio.gather(*(r.run(stopping) for r in relays))
         finally:
+            for relay in relays:
+                rt.wakeups.outbox.unsubscribe(relay.idle.kick)
             await bus.close()
 
     return RoleParts(loops=[loop])

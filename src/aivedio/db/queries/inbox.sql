@@ -108,3 +108,13 @@ SET process_status = 'pending', retry_count = 0, next_retry_at = NULL,
     lease_until = NULL, lease_token = NULL
 WHERE id = $1 AND process_status IN ('dead', 'orphan', 'retry')
 RETURNING id
+
+-- name: inbox_has_work
+-- Could inbox_claim return a row now (ignoring row locks)? The processor's re-check before it
+-- sleeps (aivedio/db/wakeup.py).
+SELECT EXISTS (
+    SELECT 1 FROM provider_callback_inbox
+    WHERE process_status IN ('pending', 'retry', 'orphan')
+      AND (next_retry_at IS NULL OR next_retry_at <= now())
+      AND (lease_until IS NULL OR lease_until < now())
+)

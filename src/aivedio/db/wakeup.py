@@ -1,0 +1,214 @@
+"""Wake an idle consumer of a table within a millisecond of new work, never after a sleep.
+
+Two paths, both ending in :meth:`IdleListener.sleep`:
+
+In-process
+    A producer in the same process calls :meth:`IdleListener.kick` after its commit, through a
+    :class:`Signal` of the process's runtime (the callbacks' group commit kicks the inbox
+    processor of its process; the inbox processor the outbox relay).
+Across processes: LISTEN/NOTIFY, gated by an advisory lock
+    NOTIFY takes a cluster-wide lock at commit that serialises every committing transaction that
+    notified (measured on the outbox: it halved applied observations/s), so writers notify only
+    while a consumer sleeps. A consumer about to sleep takes advisory lock ``lock_key``
+    exclusively (session level) on its listening connection, re-checks for work, and waits for
+    a notification. A writer's statement trigger tries to take the lock shared for its
+    transaction: if that fails, a consumer sleeps (or is about to) and the writer notifies; if
+    it succeeds, no consumer sleeps, nothing is sent, and the shared lock held until commit keeps
+    a consumer from falling asleep before the writer's rows are visible (the consumer's re-check
+    runs once it holds the lock). Migrations 0003 (outbox) and 0009 (callback inbox) hold the
+    triggers; docs/explanation/propagation.md the argument.
+
+A poll every ``poll_s`` is the safety net: a lost listening connection, rows whose retry became
+due, a consumer that could not take the lock because another consumer sleeps holding it (that
+one gets the notifications and releases the lock when it wakes, which wakes this one too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import asyncpg
+
+from aivedio.db.pool import UNAVAILABLE_ERRORS, Database
+from aivedio.errors import DatabaseUnavailable
+from aivedio.logs import log
+
+__all__ = ["DB_ERRORS", "IdleListener", "Signal", "wait_any"]
+
+logger = logging.getLogger("aivedio.db.wakeup")
+
+# What the listening connection may raise when PostgreSQL misbehaves or goes away.
+DB_ERRORS: tuple[type[BaseException], ...] = (
+    DatabaseUnavailable,
+    asyncpg.PostgresError,
+    *UNAVAILABLE_ERRORS,
+)
+
+
+async def wait_any(
+    stopping: asyncio.Event,
+    timeout: float,  # noqa: ASYNC109 - a wait bounded by it, not a cancellation scope
+    wake: asyncio.Event | None = None,
+) -> None:
+    """Sleep up to ``timeout``; return early when ``stopping`` (or ``wake``) is set."""
+    events = [stopping] if wake is None else [stopping, wake]
+    if any(e.is_set() for e in events):
+        return
+    waiters = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waiters:
+            w.cancel()
+
+
+class Signal:
+    """An in-process wake-up between the roles of one process: producers ``fire()`` after they
+    committed new work, consumers ``subscribe(listener.kick)``. Firing with no subscriber (the
+    consumer runs in another process) costs a loop over an empty list."""
+
+    def __init__(self) -> None:
+        self._subscribers: list[Callable[[], None]] = []
+
+    def subscribe(self, callback: Callable[[], None]) -> None:
+        self._subscribers.append(callback)
+
+    def unsubscribe(self, callback: Callable[[], None]) -> None:
+        if callback in self._subscribers:
+            self._subscribers.remove(callback)
+
+    def fire(self) -> None:
+        for callback in self._subscribers:
+            callback()
+
+
+class IdleListener:
+    """The sleep of one consumer: ``await sleep(stopping)`` after a round that found no work.
+
+    ``has_work_sql`` answers whether a round would find something now (ignoring row locks);
+    ``name`` appears in log lines.
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        channel: str,
+        lock_key: int,
+        has_work_sql: str,
+        poll_s: float,
+        name: str,
+    ) -> None:
+        self.db = db
+        self.channel = channel
+        self.lock_key = lock_key
+        self.has_work_sql = has_work_sql
+        self.poll_s = poll_s
+        self.name = name
+        self._wake = asyncio.Event()
+        self._listener: asyncpg.Connection | None = None
+        self._unlocking: asyncio.Future[str] | None = None  # the lock's release, in flight
+        self._busy_rechecks = 0  # re-checks that saw work another consumer then held
+        self.waits = 0
+        """How many times the consumer began waiting for a wake-up (tests wait for it)."""
+
+    def kick(self) -> None:
+        """New work committed in this process: wake the sleeper now (no-op when awake)."""
+        self._wake.set()
+
+    def worked(self) -> None:
+        """The consumer's last round found work."""
+        self._busy_rechecks = 0
+
+    async def sleep(self, stopping: asyncio.Event) -> None:
+        """Wait for a kick, a NOTIFY or ``poll_s``, holding the idle lock; see the module doc."""
+        if self._unlocking is not None:
+            unlocking, self._unlocking = self._unlocking, None
+            try:
+                await unlocking
+            except DB_ERRORS as exc:
+                self._lost(exc)
+                await self._drop()
+        listener = await self._connect()
+        if listener is None:
+            self.waits += 1
+            await wait_any(stopping, self.poll_s, self._wake)
+            self._wake.clear()
+            return
+        self._wake.clear()
+        try:
+            # Bounded by lock_timeout: another consumer may be asleep holding it (it gets the
+            # same notifications); in-flight writers hold it shared only until they commit.
+            await listener.execute("SELECT pg_advisory_lock($1)", self.lock_key)
+        except asyncpg.LockNotAvailableError:
+            return
+        except DB_ERRORS as exc:
+            self._lost(exc)
+            await self._drop()
+            return
+        try:
+            # A writer that committed before we held the lock did not notify: look once more.
+            work = bool(await listener.fetchval(self.has_work_sql))
+            if work:
+                await listener.execute("SELECT pg_advisory_unlock($1)", self.lock_key)
+            else:
+                self.waits += 1
+                await wait_any(stopping, self.poll_s, self._wake)
+                # Woken: the consumer claims at once while the lock is released (one round trip
+                # less on the wake-up path); the next sleep waits for the release first.
+                self._unlocking = asyncio.ensure_future(
+                    listener.execute("SELECT pg_advisory_unlock($1)", self.lock_key)
+                )
+        except DB_ERRORS as exc:
+            self._lost(exc)
+            await self._drop()  # closing the session releases the lock
+            return
+        if work:
+            # Work we could not claim is held by another consumer: back off a little, not spin.
+            self._busy_rechecks += 1
+            if self._busy_rechecks > 1:
+                await wait_any(stopping, min(0.001 * self._busy_rechecks, 0.02))
+
+    async def close(self) -> None:
+        await self._drop()
+
+    def _lost(self, exc: BaseException) -> None:
+        log(logger, logging.WARNING, f"{self.name} listener lost", error=repr(exc))
+
+    async def _connect(self) -> asyncpg.Connection | None:
+        if self._listener is not None and not self._listener.is_closed():
+            return self._listener
+        self._listener = None
+        try:
+            conn = await asyncpg.connect(
+                self.db.config.url, timeout=self.db.config.acquire_timeout_s
+            )
+        except DB_ERRORS as exc:
+            log(logger, logging.WARNING, f"{self.name} listener cannot connect", error=repr(exc))
+            return None
+        try:
+            timeout_ms = max(1, int(self.poll_s * 1000))
+            await conn.execute(f"SET lock_timeout = {timeout_ms}")
+            await conn.add_listener(self.channel, self._on_notify)
+        except DB_ERRORS as exc:
+            log(logger, logging.WARNING, f"{self.name} listener setup failed", error=repr(exc))
+            conn.terminate()
+            return None
+        self._listener = conn
+        return conn
+
+    def _on_notify(self, *_: object) -> None:
+        self._wake.set()
+
+    async def _drop(self) -> None:
+        if self._unlocking is not None:
+            unlocking, self._unlocking = self._unlocking, None
+            await asyncio.gather(unlocking, return_exceptions=True)
+        conn, self._listener = self._listener, None
+        if conn is not None and not conn.is_closed():
+            try:
+                await asyncio.wait_for(conn.close(), timeout=2.0)
+            except DB_ERRORS:
+                conn.terminate()
