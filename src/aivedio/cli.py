@@ -13,6 +13,7 @@ import json
 import sys
 import uuid
 from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pydantic
@@ -113,6 +114,24 @@ def _cmd_demo(args: argparse.Namespace, settings: Settings) -> int:
     return code
 
 
+def _cmd_cluster(args: argparse.Namespace, settings: Settings) -> int:
+    from aivedio.cluster import ClusterConfig, run_cluster
+
+    _check_providers(settings)
+    if args.nats_cluster not in (0, 3):
+        print("--nats-cluster takes 3 (or 0 for one NATS server)", file=sys.stderr)
+        return 2
+    config = ClusterConfig(
+        data_dir=Path(args.data_dir) if args.data_dir else settings.data_dir,
+        replicas=args.replicas,
+        split=args.split,
+        nats_cluster=args.nats_cluster,
+        sandbox=args.sandbox,
+        port=args.port or settings.port,
+    )
+    return run_cluster(settings, config)
+
+
 def _cmd_sandbox(args: argparse.Namespace, settings: Settings) -> int:
     from urllib.parse import urlsplit
 
@@ -152,11 +171,10 @@ def _cmd_inbox(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_bus(args: argparse.Namespace, settings: Settings) -> int:
-    from aivedio.bus import BusConfig
     from aivedio.propagation.dead_letters import dead_letters_command, replay_command
     from aivedio.runtime import resolve_urls
 
-    config = BusConfig(url=resolve_urls(settings).nats_url)
+    config = settings.bus(resolve_urls(settings).nats_url)
     if args.bus_command == "dead-letters":
         code: int = asyncio.run(dead_letters_command(config, args.group, args.limit))
     else:
@@ -255,6 +273,25 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="everything on embedded services, with the web UI")
     demo.add_argument("--port", type=int, default=None)
     demo.set_defaults(func=_cmd_demo)
+
+    cluster = sub.add_parser(
+        "cluster", help="N supervised processes of every role on this machine (JSON line first)"
+    )
+    cluster.add_argument("--replicas", type=int, default=2, help="processes per role kind")
+    cluster.add_argument(
+        "--split", action="store_true", help="one process kind per role instead of --role all"
+    )
+    cluster.add_argument(
+        "--nats-cluster",
+        type=int,
+        default=0,
+        metavar="3",
+        help="run a three-node NATS JetStream cluster (streams with 3 replicas)",
+    )
+    cluster.add_argument("--sandbox", action="store_true", help="also run the sandbox provider")
+    cluster.add_argument("--port", type=int, default=None)
+    cluster.add_argument("--data-dir", default=None)
+    cluster.set_defaults(func=_cmd_cluster)
 
     inbox = sub.add_parser("inbox", help="callback inbox operations")
     inbox_sub = inbox.add_subparsers(dest="inbox_command", required=True)

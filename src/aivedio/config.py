@@ -19,6 +19,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 if TYPE_CHECKING:
+    from aivedio.bus.port import BusConfig
     from aivedio.gateway.config import GatewayConfig
 
 
@@ -120,6 +121,9 @@ class Settings(BaseSettings):
     stream_token_ttl_s: int = 60
     session_ttl_s: int = 8 * 3600
     ws_allowed_origins: str = ""  # comma-separated; empty: only the request's own origin
+    # The bus: a NATS URL may list several servers, comma-separated (a NATS cluster); streams
+    # are created with this many replicas (3 on a three-node JetStream cluster).
+    bus_replicas: int = Field(default=1, ge=1, le=5)
     poll_limits: str = ""
     poll_replicas: int = 1
     poll_concurrency: int = 64
@@ -220,6 +224,11 @@ class Settings(BaseSettings):
             fanout=self.fanout,
             node_id=self.gateway_node_id,
         )
+
+    def bus(self, nats_url: str) -> BusConfig:
+        from aivedio.bus.port import BusConfig
+
+        return BusConfig(url=nats_url, replicas=self.bus_replicas)
 
     @property
     def services(self) -> ServicesConfig:

@@ -23,7 +23,7 @@ async def billing_role(
     consumer = BillingConsumer(rt.db, config or BillingConfig())
 
     async def consume(stopping: asyncio.Event) -> None:
-        bus = await JetStreamBus.connect(bus_config or BusConfig(url=rt.urls.nats_url))
+        bus = await JetStreamBus.connect(bus_config or rt.settings.bus(rt.urls.nats_url))
         try:
             await consumer.run(bus, stopping)
         finally:

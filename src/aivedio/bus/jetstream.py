@@ -130,7 +130,7 @@ class JetStreamBus:
 
         # nats-py annotates the timeouts as int; it takes seconds as float at runtime.
         options: dict[str, Any] = {
-            "servers": [cfg.url],
+            "servers": [url.strip() for url in cfg.url.split(",") if url.strip()],
             "connect_timeout": cfg.connect_timeout_s,
             "allow_reconnect": True,
             "max_reconnect_attempts": -1,

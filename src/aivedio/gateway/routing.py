@@ -534,11 +534,10 @@ async def node_dispatcher_role(
     router_config: RouterConfig | None = None,
 ) -> RoleParts:
     """The ``dispatcher`` role with node-directed fan-out (``AIVEDIO_FANOUT=node``)."""
-    from aivedio.bus import BusConfig
     from aivedio.propagation.dispatcher import DispatcherConfig
     from aivedio.propagation.roles import dispatcher_role
 
-    bus_cfg = BusConfig(url=rt.urls.nats_url)
+    bus_cfg = rt.settings.bus(rt.urls.nats_url)
     cfg = config or DispatcherConfig(max_deliver=bus_cfg.max_deliver)
     rcfg = router_config or RouterConfig(prefix=cfg.channel_prefix)
     return await dispatcher_role(

