@@ -420,6 +420,34 @@ async def test_forged_signatures_fail_verification(sandbox: Sandbox, receiver: R
     assert (await sandbox.stats())["webhooks"]["forged"] == 5
 
 
+async def test_stale_copies_are_signed_well_but_an_hour_old(
+    sandbox: Sandbox, receiver: Receiver
+) -> None:
+    await sandbox.chaos(stale_signature_rate=1.0)
+    generation_id = (await sandbox.create("stale-1", QUICK)).json()["id"]
+    await wait_until(lambda: len(receiver.for_generation(generation_id)) == 10, what="10 webhooks")
+    verifier = Webhook(SECRET_NEW)
+    good = stale = 0
+    for event in receiver.for_generation(generation_id):
+        try:
+            verifier.verify(event.body, event.headers)  # checks the 5-minute tolerance too
+            good += 1
+        except WebhookVerificationError:
+            age = time.time() - int(event.headers["webhook-timestamp"])
+            assert age > 3000
+            stale += 1
+    assert (good, stale) == (5, 5)
+    await wait_for_async(lambda: _webhook_count(sandbox, "stale_accepted", 5), what="counted")
+    stats = (
+        await sandbox.client.get("/_sandbox/stats", params={"delivered": "1"}, headers=AUTH)
+    ).json()
+    assert stats["webhooks"]["stale"] == 5
+    # only the genuine copies count as delivered, each id once
+    assert stats["webhooks_delivered_ids"] == sorted(
+        f"msg_{generation_id}_{n}" for n in range(1, 6)
+    )
+
+
 async def test_duplicates_are_sent_and_counted(sandbox: Sandbox, receiver: Receiver) -> None:
     await sandbox.chaos(duplicate_rate=1.0)
     generation_id = (await sandbox.create("dup-1", QUICK)).json()["id"]

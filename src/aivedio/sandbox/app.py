@@ -179,7 +179,8 @@ class SandboxApi:
         if (denied := self._admin(request)) is not None:
             return denied
         keys = request.query_params.get("keys", "") in ("1", "true")
-        return JSONResponse(self.provider.stats_json(keys=keys))
+        delivered = request.query_params.get("delivered", "") in ("1", "true")
+        return JSONResponse(self.provider.stats_json(keys=keys, delivered=delivered))
 
     async def reset(self, request: Request) -> Response:
         if (denied := self._admin(request)) is not None:

@@ -17,6 +17,7 @@ RATE_FIELDS = frozenset(
         "reorder",
         "drop_rate",
         "forge_signature_rate",
+        "stale_signature_rate",
         "callback_before_submit_response",
         "contradictory_terminal",
         "query_429_rate",
@@ -43,6 +44,7 @@ class Chaos:
     delay_ms: tuple[int, int] = (0, 0)
     drop_rate: float = 0.0
     forge_signature_rate: float = 0.0
+    stale_signature_rate: float = 0.0
     callback_before_submit_response: float = 0.0
     contradictory_terminal: float = 0.0
     fast: bool = False

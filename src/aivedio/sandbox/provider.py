@@ -90,7 +90,7 @@ class SandboxProvider:
         self.stats.reset()
         self.rate_cap = RateCap(self.config.rate_cap_qps)
 
-    def stats_json(self, *, keys: bool) -> dict[str, Any]:
+    def stats_json(self, *, keys: bool, delivered: bool = False) -> dict[str, Any]:
         by_status = Counter(g.status for g in self.simulator.generations.values())
         return self.stats.to_json(
             in_flight=len(self.simulator.generations)
@@ -98,6 +98,7 @@ class SandboxProvider:
             stored=len(self.simulator.generations),
             by_status=dict(by_status),
             keys=keys,
+            delivered=delivered,
         )
 
     # -- generations -------------------------------------------------------------------------

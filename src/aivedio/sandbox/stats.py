@@ -29,6 +29,7 @@ class Stats:
         self.keys: Counter[str] = Counter()  # create requests per Idempotency-Key
         self.requests: Counter[str] = Counter()  # per endpoint
         self.webhooks: Counter[str] = Counter()
+        self.delivered_ids: set[str] = set()  # webhook ids answered 2xx (genuine copies only)
         self.chaos: Counter[str] = Counter()
         self.per_second: dict[str, dict[int, int]] = {name: {} for name in PER_SECOND}
         self._oldest = 0
@@ -46,7 +47,13 @@ class Stats:
         self._oldest = floor
 
     def to_json(
-        self, *, in_flight: int, stored: int, by_status: dict[str, int], keys: bool
+        self,
+        *,
+        in_flight: int,
+        stored: int,
+        by_status: dict[str, int],
+        keys: bool,
+        delivered: bool = False,
     ) -> dict[str, Any]:
         out: dict[str, Any] = {
             "generations": {
@@ -71,6 +78,8 @@ class Stats:
         }
         if keys:
             out["generations"]["create_requests_by_key"] = dict(self.keys)
+        if delivered:
+            out["webhooks_delivered_ids"] = sorted(self.delivered_ids)
         return out
 
 

@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 EVENT_TYPE = "generation.updated"
 DUPLICATE_GAP_S = (0.0, 0.2)  # how long after the original a duplicate goes out
+STALE_BY_S = 3600  # a stale copy's timestamp is this far back (Standard Webhooks tolerate 300 s)
 
 
 def sign(keys: Sequence[bytes], msg_id: str, timestamp: int, body: bytes) -> str:
@@ -54,14 +55,17 @@ class Delivery:
     url: str
     body: bytes
     forged: bool = False
+    stale: bool = False  # signed correctly with a timestamp STALE_BY_S in the past: a replay
     attempts: int = 0
     # resolved with "the receiver answered 2xx" after the first attempt (callback before submit)
     answered: asyncio.Future[bool] | None = None
     # held (reordered) deliveries of the same generation, sent after this one's first attempt
     then_send: list[Delivery] = field(default_factory=list)
 
-    def copy(self, *, forged: bool = False) -> Delivery:
-        return Delivery(self.msg_id, self.generation_id, self.url, self.body, forged=forged)
+    def copy(self, *, forged: bool = False, stale: bool = False) -> Delivery:
+        return Delivery(
+            self.msg_id, self.generation_id, self.url, self.body, forged=forged, stale=stale
+        )
 
 
 class WebhookDispatcher:
@@ -127,6 +131,9 @@ class WebhookDispatcher:
         if self.dice.roll(chaos.forge_signature_rate):
             counts["forged"] += 1
             self._later(self.dice.millis(chaos.delay_ms), delivery.copy(forged=True))
+        if self.dice.roll(chaos.stale_signature_rate):
+            counts["stale"] += 1
+            self._later(self.dice.millis(chaos.delay_ms), delivery.copy(stale=True))
         if self.dice.roll(chaos.duplicate_rate):
             counts["duplicated"] += 1
             gap = self.dice.uniform(*DUPLICATE_GAP_S)
@@ -171,6 +178,8 @@ class WebhookDispatcher:
     async def _attempt(self, delivery: Delivery) -> None:
         assert self._client is not None
         timestamp = int(self.wall())
+        if delivery.stale:  # correctly signed, but far outside any receiver's tolerance
+            timestamp -= STALE_BY_S
         keys = (self._forged_key,) if delivery.forged else self.keys
         headers = {
             "content-type": "application/json",
@@ -196,8 +205,11 @@ class WebhookDispatcher:
             delivery.then_send = []
         if delivery.forged:
             counts["forged_accepted" if ok else "forged_rejected"] += 1
+        elif delivery.stale:
+            counts["stale_accepted" if ok else "stale_rejected"] += 1
         elif ok:
             counts["delivered"] += 1
+            self.stats.delivered_ids.add(delivery.msg_id)
         elif delivery.attempts < self.config.webhook_max_attempts:
             counts["retried"] += 1
             backoff = self.config.webhook_backoff_s * 2 ** (delivery.attempts - 1)
