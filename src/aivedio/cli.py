@@ -132,6 +132,34 @@ def _cmd_cluster(args: argparse.Namespace, settings: Settings) -> int:
     return run_cluster(settings, config)
 
 
+def _cmd_chaos(args: argparse.Namespace, settings: Settings) -> int:
+    from aivedio.chaos.run import ChaosConfig, run_chaos
+    from aivedio.chaos.schedule import FaultKind
+
+    kinds = tuple(FaultKind)
+    if args.faults:
+        try:
+            kinds = tuple(FaultKind(k) for k in args.faults.split(",") if k)
+        except ValueError:
+            known = ", ".join(k.value for k in FaultKind)
+            print(f"--faults takes a comma-separated list of: {known}", file=sys.stderr)
+            return 2
+    config = ChaosConfig(
+        seed=args.seed,
+        tasks=args.tasks,
+        projects=args.projects,
+        replicas=args.replicas,
+        split=args.split,
+        nats_cluster=args.nats_cluster,
+        window_s=args.window_s,
+        interval_s=args.interval_s,
+        kinds=kinds,
+        data_dir=Path(args.data_dir) if args.data_dir else None,
+        keep=args.keep,
+    )
+    return run_chaos(settings, config)
+
+
 def _cmd_sandbox(args: argparse.Namespace, settings: Settings) -> int:
     from urllib.parse import urlsplit
 
@@ -292,6 +320,24 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_argument("--port", type=int, default=None)
     cluster.add_argument("--data-dir", default=None)
     cluster.set_defaults(func=_cmd_cluster)
+
+    chaos = sub.add_parser(
+        "chaos",
+        help="a cluster under a fault schedule with every sandbox chaos knob on; the invariant "
+        "table, then one JSON line; exit 1 on any violation",
+    )
+    chaos.add_argument("--seed", type=int, default=1, help="the same seed, the same schedule")
+    chaos.add_argument("--tasks", type=int, default=40)
+    chaos.add_argument("--projects", type=int, default=3)
+    chaos.add_argument("--replicas", type=int, default=2)
+    chaos.add_argument("--split", action="store_true")
+    chaos.add_argument("--nats-cluster", type=int, default=0, choices=(0, 3))
+    chaos.add_argument("--window-s", type=float, default=60.0, help="faults within this window")
+    chaos.add_argument("--interval-s", type=float, default=6.0, help="about one fault this often")
+    chaos.add_argument("--faults", default="", help="only these fault kinds (comma-separated)")
+    chaos.add_argument("--data-dir", default=None, help="default: a new temporary folder")
+    chaos.add_argument("--keep", action="store_true", help="keep the data folder (logs)")
+    chaos.set_defaults(func=_cmd_chaos)
 
     inbox = sub.add_parser("inbox", help="callback inbox operations")
     inbox_sub = inbox.add_subparsers(dest="inbox_command", required=True)

@@ -31,13 +31,13 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from aivedio.config import Settings
-from aivedio.logs import log
+from aivedio.logs import log, setup_logging
 from aivedio.services import nats_cluster
 from aivedio.services.embedded import ServiceUrls
 
@@ -79,6 +79,7 @@ class ClusterConfig:
     restart_cap_s: float = 30.0
     healthy_after_s: float = 30.0  # a process that ran this long starts its backoff afresh
     stop_timeout_s: float = 20.0
+    extra_env: Mapping[str, str] = field(default_factory=dict)  # for every process started
 
 
 def restart_delay(
@@ -122,6 +123,17 @@ class Member:
             "restarts": self.restarts,
             "log": str(self.log_path),
         }
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the cluster process dies (Linux), so a cluster
+    that was SIGKILLed leaves no orphaned role processes behind."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _free_port() -> int:
@@ -209,7 +221,7 @@ class Cluster:
 
     def _child_env(self, settings: Settings) -> dict[str, str]:
         assert self.urls is not None
-        env = dict(os.environ)
+        env = dict(os.environ) | dict(self.config.extra_env)
         env |= {
             "AIVEDIO_DATABASE_URL": self.urls.database_url,
             "AIVEDIO_REDIS_URL": self.urls.redis_url,
@@ -263,6 +275,7 @@ class Cluster:
                 stdout=out,
                 stderr=out,
                 start_new_session=True,  # Ctrl-C reaches the cluster, which stops them in order
+                preexec_fn=_die_with_parent,
             )
         member.started_at = time.monotonic()
 
@@ -370,5 +383,6 @@ async def _main(settings: Settings, config: ClusterConfig) -> int:
 
 
 def run_cluster(settings: Settings, config: ClusterConfig) -> int:
+    setup_logging(settings.log_level)
     code: int = asyncio.run(_main(settings, config))
     return code

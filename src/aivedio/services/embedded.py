@@ -463,6 +463,22 @@ def down(cfg: ServicesConfig) -> None:
             _write_state(data_dir, state)
 
 
+def pids(cfg: ServicesConfig) -> dict[str, int]:
+    """The pids of the embedded servers running for ``cfg.data_dir`` (``postgres``, ``valkey``,
+    ``nats``): what ``aivedio chaos`` kills before ``up`` starts them again on the same ports."""
+    data_dir = cfg.data_dir.expanduser().resolve()
+    if not (data_dir / STATE_FILE).exists():
+        return {}
+    with _locked(data_dir):
+        state = _read_state(data_dir)
+    found = {}
+    for kind in _KINDS:
+        pid = state.get(kind.name, {}).get("pid")
+        if pid and _is_ours(kind, pid):
+            found[kind.name] = pid
+    return found
+
+
 def _ensure_running(kind: _Kind, folder: Path, record: dict[str, int | None]) -> tuple[int, int]:
     pid, port = record.get("pid"), record.get("port")
     log = folder / kind.log_name
