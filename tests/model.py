@@ -1,7 +1,8 @@
 """A pure model of what the state service does with a decision, for property tests.
 
-``evolve`` mirrors ``write_event``: version + 1, the change, progress time = now; the attempt
-takes what the decision recorded. The integration tests check the real service against it.
+``evolve`` mirrors ``write_event``: version + 1, the change, progress time = now (a version
+that is not a public event keeps it); the attempt takes what the decision recorded. The
+integration tests check the real service against it.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def evolve(
             stage=c.stage,
             progress=c.progress,
             version=task.version + 1,
-            progress_event_at=now,
+            progress_event_at=now if decision.public else task.progress_event_at,
             error_code=c.error_code,
             error_message=c.error_message,
             asset_id=c.asset_id,

@@ -9,7 +9,13 @@ from typing import Any
 
 import httpx
 
-from aivedio.domain.observation import ProviderObservation, ProviderStatus, Source
+from aivedio.domain.observation import (
+    PlatformKind,
+    PlatformObservation,
+    ProviderObservation,
+    ProviderStatus,
+    Source,
+)
 from tests.integration.conftest import Api
 from tests.integration.helpers import make_project
 
@@ -278,6 +284,28 @@ async def test_audit_lists_events_and_ignored_observations(api: Api) -> None:
     assert [(o["outcome"], o["reason"]) for o in body["ignored_observations"]] == [
         ("ignored", "stale_sequence")
     ]
+    assert body["unpublished_versions"] == []
+
+
+async def test_audit_lists_versions_that_are_no_public_event(api: Api) -> None:
+    task = (await create(api)).json()["task"]
+    attempt_id = await current_attempt(api, task["id"])
+    await api.state.apply(
+        PlatformObservation(
+            kind=PlatformKind.SUBMIT_ACCEPTED, attempt_id=attempt_id, source=Source.SUBMIT
+        )
+    )
+    await observe(api, task["id"], ProviderStatus.QUEUED, provider_sequence=1)  # still queued
+    url = f"{api.tasks_url()}/{task['id']}"
+    body = (await api.client.get(f"{url}/audit", headers=api.auth())).json()
+    assert [e["task_version"] for e in body["events"]] == [1, 2]
+    assert [
+        (v["outcome"], v["reason"], v["observed"], v["task_version"])
+        for v in body["unpublished_versions"]
+    ] == [("applied", "no_public_change", "queued", 3)]
+    assert body["ignored_observations"] == []
+    snap = (await api.client.get(url, headers=api.auth())).json()["task"]
+    assert (snap["task_version"], snap["last_event_id"], snap["status"]) == (3, 2, "queued")
 
 
 async def test_health_ready_metrics(api: Api) -> None:

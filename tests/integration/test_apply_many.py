@@ -318,9 +318,11 @@ async def test_one_task_many_times_in_one_batch_evolves_as_one_by_one(db: Databa
                 " FROM task_events WHERE task_id = $1 ORDER BY seq",
                 task_id,
             )
+            # In decided order: a batch writes the audit rows of unapplied observations before
+            # its events, and those of versions that are no public event with them.
             audit = await conn.fetch(
                 "SELECT outcome, reason, observed, task_version FROM observation_audit"
-                " WHERE task_id = $1 ORDER BY id",
+                " WHERE task_id = $1 ORDER BY task_version, outcome <> 'applied', id",
                 task_id,
             )
             items = await conn.fetch(

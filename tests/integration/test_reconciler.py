@@ -138,6 +138,20 @@ async def test_an_unknown_submit_not_found_becomes_an_item_and_resubmit_is_audit
             "pending",
         )
         assert after["version"] == before["version"] + 1
+        async with db.connection() as conn:  # submit_unknown -> created: the same public face
+            published = await conn.fetchval(
+                "SELECT count(*) FROM task_events WHERE task_id = $1 AND task_version = $2",
+                task_id,
+                after["version"],
+            )
+            audited = await conn.fetchrow(
+                "SELECT outcome, reason, observed FROM observation_audit"
+                " WHERE task_id = $1 AND task_version = $2",
+                task_id,
+                after["version"],
+            )
+        assert published == 0
+        assert tuple(audited.values()) == ("applied", "no_public_change", "resubmit")
         assert after["reason"] == "resubmit by alice: provider support confirmed no job"
         assert after["client_request_id"] != before["client_request_id"]
         assert done.resolved_items == (item["id"],)

@@ -190,21 +190,26 @@ async def test_media_stages_then_ready(db: Database) -> None:
     assert r.outcome is Outcome.APPLIED
     async with db.connection() as conn:
         task = await conn.fetchrow("SELECT * FROM generation_tasks WHERE id = $1", task_id)
-        stages = [
-            r["public_payload"]["stage"]
-            for r in await conn.fetch("SELECT public_payload FROM task_events ORDER BY seq")
-        ]
+        events = await conn.fetch(
+            "SELECT seq, task_version, public_payload FROM task_events ORDER BY seq"
+        )
+        audit = await conn.fetch("SELECT outcome, reason, task_version FROM observation_audit")
     assert (task["status"], task["asset_id"], task["terminal_at"] is not None) == (
         "ready",
         asset,
         True,
     )
-    assert stages == [
+    # provider_succeeded -> processing_media at ingesting changes nothing a client sees: version
+    # 3 is written (and audited) but is no public event; the seqs stay contiguous.
+    assert [e["public_payload"]["stage"] for e in events] == [
         "submitting",
-        "ingesting",
         "ingesting",
         "probing",
         "transcoding",
         "publishing",
         "done",
     ]
+    assert [e["seq"] for e in events] == [1, 2, 3, 4, 5, 6]
+    assert [e["task_version"] for e in events] == [1, 2, 4, 5, 6, 7]
+    assert [tuple(a.values()) for a in audit] == [("applied", "no_public_change", 3)]
+    assert (task["version"], task["last_event_id"]) == (7, 6)

@@ -226,7 +226,7 @@ CREATE TABLE observation_audit (
     trace_id            TEXT,
     received_at         TIMESTAMPTZ NOT NULL,
     created_at          TIMESTAMPTZ NOT NULL DEFAULT now(),
-    CONSTRAINT ck_audit_outcome CHECK (outcome IN ('ignored', 'conflict'))
+    CONSTRAINT ck_audit_outcome CHECK (outcome IN ('ignored', 'conflict', 'applied'))
 );
 
 CREATE INDEX idx_observation_audit_task ON observation_audit (task_id, id);

@@ -32,6 +32,25 @@ def public_error(code: str | None) -> dict[str, str] | None:
     return {"code": code, "message": PUBLIC_ERRORS[code]}
 
 
+def public_fields(
+    status: Status,
+    stage: str,
+    progress: int | None,
+    asset_id: uuid.UUID | None,
+    error_code: str | None,
+) -> dict[str, Any]:
+    """What a browser sees of a task state: the fields of an event that are not its identity
+    (``event_id``, ``task_id``, ``task_version``). Two states with equal public fields look the
+    same to every client, so a change between them publishes no event (``transitions``)."""
+    return {
+        "status": STATUS_TABLE[status].public,
+        "stage": str(stage),
+        "progress": progress,
+        "asset_id": str(asset_id) if asset_id is not None else None,
+        "error": public_error(error_code),
+    }
+
+
 def public_event(
     *,
     task_id: uuid.UUID,
@@ -46,9 +65,5 @@ def public_event(
     return {
         "task_id": str(task_id),
         "task_version": task_version,
-        "status": STATUS_TABLE[status].public,
-        "stage": stage,
-        "progress": progress,
-        "asset_id": str(asset_id) if asset_id is not None else None,
-        "error": public_error(error_code),
+        **public_fields(status, stage, progress, asset_id, error_code),
     }

@@ -19,12 +19,18 @@ Order of the checks (each one only sees what passed the ones before):
 8. progress: monotonic within a stage; coalesced unless it moved >= ``min_points`` or
    ``min_interval`` passed since the last progress event of the stage; stage changes and
    terminals are never coalesced; an unchanged observation writes nothing.
+
+Last, an applied change that leaves every public field as it was (two internal statuses with one
+public face: ``submitted`` -> ``provider_queued``, ``provider_succeeded`` -> ``processing_media``
+at ``ingesting``) is still a new task version, but not a public event: the decision carries
+``Reason.NO_PUBLIC_CHANGE`` and the state service writes the version, its outbox row (internal
+consumers read internal statuses) and an audit row, and takes no stream seq.
 """
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from enum import StrEnum
 
@@ -37,6 +43,7 @@ from aivedio.domain.observation import (
     ProviderObservation,
     ProviderStatus,
 )
+from aivedio.domain.public import public_fields
 from aivedio.domain.statuses import (
     CANCELABLE,
     MEDIA_STAGES,
@@ -54,7 +61,7 @@ class Outcome(StrEnum):
 
 
 class Reason(StrEnum):
-    """Why an observation did not produce an event (stored in ``observation_audit.reason``)."""
+    """Why an observation did not produce a public event (``observation_audit.reason``)."""
 
     UNKNOWN_ATTEMPT = "unknown_attempt"
     STALE_ATTEMPT = "stale_attempt"
@@ -69,6 +76,8 @@ class Reason(StrEnum):
     COALESCED = "coalesced"
     NO_CHANGE = "no_change"
     CONTRADICTORY_TERMINAL = "contradictory_terminal"
+    # Applied: a new task version whose public fields equal the old ones (no public event).
+    NO_PUBLIC_CHANGE = "no_public_change"
 
 
 class ReconcileKind(StrEnum):
@@ -143,7 +152,13 @@ class Decision:
 
     @property
     def applied(self) -> bool:
+        """A new task version (public or not)."""
         return self.outcome is Outcome.APPLIED
+
+    @property
+    def public(self) -> bool:
+        """A new task version that is also a public event (it takes a stream seq)."""
+        return self.outcome is Outcome.APPLIED and self.reason is None
 
 
 _PROVIDER_TARGET: dict[ProviderStatus, Status] = {
@@ -196,6 +211,15 @@ def _ignored(reason: Reason, attempt: AttemptChange | None = None) -> Decision:
     return Decision(Outcome.IGNORED, reason, attempt=attempt)
 
 
+def changes_public(task: TaskView | TaskChange, change: TaskChange) -> bool:
+    """Whether a client could tell the task after ``change`` from the task before it."""
+    before = public_fields(task.status, task.stage, task.progress, task.asset_id, task.error_code)
+    after = public_fields(
+        change.status, change.stage, change.progress, change.asset_id, change.error_code
+    )
+    return before != after
+
+
 def decide(
     task: TaskView,
     attempt: AttemptView | None,
@@ -204,6 +228,19 @@ def decide(
     policy: CoalescePolicy = CoalescePolicy(),
 ) -> Decision:
     """Decide what one observation does to a task. Pure; see the module docstring."""
+    decision = _decide(task, attempt, obs, now, policy)
+    if decision.change is not None and not changes_public(task, decision.change):
+        return replace(decision, reason=Reason.NO_PUBLIC_CHANGE)
+    return decision
+
+
+def _decide(
+    task: TaskView,
+    attempt: AttemptView | None,
+    obs: Observation,
+    now: datetime,
+    policy: CoalescePolicy,
+) -> Decision:
     if attempt is None:
         return _ignored(Reason.UNKNOWN_ATTEMPT)
     if attempt.id != task.current_attempt_id:

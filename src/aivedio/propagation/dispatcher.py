@@ -107,7 +107,8 @@ class Malformed(ValueError):
 
 def parse_event(data: bytes) -> RoutedEvent | None:
     """The routed event of a ``task.status.changed`` outbox payload; ``None`` for another event
-    type; raises :class:`Malformed` for anything unreadable."""
+    type or a version that is not a public event (``public`` null); raises :class:`Malformed`
+    for anything unreadable."""
     try:
         body = orjson.loads(data)  # the bytes as they came from the bus; invalid UTF-8 included
     except orjson.JSONDecodeError as exc:
@@ -118,6 +119,8 @@ def parse_event(data: bytes) -> RoutedEvent | None:
         return None
     try:
         public = body["public"]
+        if public is None:  # a task version that is not a public event (no seq): nothing to send
+            return None
         if not isinstance(public, dict):
             raise Malformed("public is not an object")
         seq = _int(body["event_id"])

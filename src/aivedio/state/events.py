@@ -4,6 +4,12 @@
 statement (``apply_many``). The caller holds the task locks (or created the task in the same
 transaction). The public payload is built from the whitelist in ``domain.public``; the outbox
 payload is the bus event of seed §12.5.5.
+
+A version that changes no public field (``Reason.NO_PUBLIC_CHANGE``: the event carries an
+``audit`` row) takes no stream seq and writes no task event: the task row, the attempt and the
+outbox row (its ``public``, ``event_id`` and ``epoch`` null: the dispatcher skips it, internal
+consumers read it) as usual, and the ``observation_audit`` row (outcome ``applied``) instead of
+the event.
 """
 
 from __future__ import annotations
@@ -25,9 +31,28 @@ from aivedio.domain.transitions import AttemptChange, TaskChange
 
 @dataclass(frozen=True, slots=True)
 class EventWritten:
-    epoch: int
-    seq: int
+    """A new task version; ``epoch`` and ``seq`` are None when it is not a public event."""
+
+    epoch: int | None
+    seq: int | None
     version: int
+
+    @property
+    def public(self) -> bool:
+        return self.seq is not None
+
+
+@dataclass(frozen=True, slots=True)
+class AuditRow:
+    """The ``observation_audit`` row written for a version that is not a public event."""
+
+    reason: str
+    observed: str
+    received_at: datetime
+    provider: str | None = None
+    provider_sequence: int | None = None
+    progress: int | None = None
+    dedup_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +78,7 @@ class NewEvent:
     occurred_at: datetime
     attempt_change: AttemptChange | None = None
     inbox_id: int | None = None
+    audit: AuditRow | None = None  # set: not a public event (no seq), this audit row instead
 
     def params(self) -> dict[str, Any]:
         """``write_event``'s keyword arguments."""
@@ -65,6 +91,7 @@ class NewEvent:
             "occurred_at": self.occurred_at,
             "attempt_change": self.attempt_change,
             "inbox_id": self.inbox_id,
+            "audit": self.audit,
         }
 
 
@@ -77,9 +104,10 @@ def domain_payload(
     source: str,
     trace_id: str | None,
     occurred_at: datetime,
-    public: dict[str, Any],
+    public: dict[str, Any] | None,
 ) -> dict[str, Any]:
-    """The bus event (seed §12.5.5); internal consumers read ``status`` (the internal one)."""
+    """The bus event (seed §12.5.5); internal consumers read ``status`` (the internal one).
+    ``public`` is None for a version that is not a public event."""
     return {
         "event_type": "task.status.changed",
         "aggregate_id": str(ref.task_id),
@@ -114,12 +142,17 @@ async def write_event(
     occurred_at: datetime,
     attempt_change: AttemptChange | None = None,
     inbox_id: int | None = None,
+    audit: AuditRow | None = None,
 ) -> EventWritten:
-    """Write one new task version: stream seq, task event, task row, attempt, outbox, inbox.
+    """Write one new task version: stream seq, task event, task row, attempt, outbox, inbox;
+    with ``audit``, no seq and no task event but that audit row (not a public event).
 
     The caller holds the task lock (or created the task in this transaction).
     """
-    public, payload = _payloads(ref, attempt_id, version, change, source, trace_id, occurred_at)
+    public, payload = _payloads(
+        ref, attempt_id, version, change, source, trace_id, occurred_at, audit is None
+    )
+    a = audit
     row = await conn.fetchrow(
         q("write_event"),
         ref.project_id,
@@ -146,8 +179,17 @@ async def write_event(
         attempt_change.last_provider_seq if attempt_change else None,
         attempt_change.last_provider_at if attempt_change else None,
         inbox_id,
+        a is None,
+        a.reason if a else None,
+        a.observed if a else None,
+        a.received_at if a else None,
+        a.provider if a else None,
+        a.provider_sequence if a else None,
+        a.progress if a else None,
+        a.dedup_key if a else None,
     )
-    if row is None:
+    assert row is not None  # one row, always
+    if a is None and row["head"] is None:
         raise RuntimeError(f"project {ref.project_id} has no event stream")
     if row["tasks_updated"] != 1:
         raise RuntimeError(f"task {ref.task_id} is not at version {version - 1}")
@@ -162,17 +204,21 @@ def _payloads(
     source: str,
     trace_id: str | None,
     occurred_at: datetime,
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The public event payload and the bus (outbox) payload of one new version."""
-    public = public_event(
-        task_id=ref.task_id,
-        task_version=version,
-        status=change.status,
-        stage=str(change.stage),
-        progress=change.progress,
-        asset_id=change.asset_id,
-        error_code=change.error_code,
-    )
+    is_public: bool = True,
+) -> tuple[dict[str, Any] | None, dict[str, Any]]:
+    """The public event payload (None: not a public event) and the bus (outbox) payload of one
+    new version."""
+    public = None
+    if is_public:
+        public = public_event(
+            task_id=ref.task_id,
+            task_version=version,
+            status=change.status,
+            stage=str(change.stage),
+            progress=change.progress,
+            asset_id=change.asset_id,
+            error_code=change.error_code,
+        )
     payload = domain_payload(
         ref,
         attempt_id=attempt_id,
@@ -190,17 +236,25 @@ async def write_events(conn: asyncpg.Connection, events: Sequence[NewEvent]) -> 
     """``write_event`` for many events in one statement (``write_events`` in ``state.sql``).
 
     ``events`` come in write order: grouped by project, in the order they were decided within
-    a project (their stream seqs follow that order). A task's events have consecutive versions;
-    an attempt's events carry its final values. The caller holds the task locks.
+    a project (their stream seqs follow that order; events with an ``audit`` row take none). A
+    task's events have consecutive versions; an attempt's events carry its final values. The
+    caller holds the task locks.
     """
     if not events:
         return []
-    columns: list[list[Any]] = [[] for _ in range(22)]
+    columns: list[list[Any]] = [[] for _ in range(30)]
     for e in events:
         public, payload = _payloads(
-            e.ref, e.attempt_id, e.version, e.change, e.source, e.trace_id, e.occurred_at
+            e.ref,
+            e.attempt_id,
+            e.version,
+            e.change,
+            e.source,
+            e.trace_id,
+            e.occurred_at,
+            e.audit is None,
         )
-        a = e.attempt_change
+        a, audit = e.attempt_change, e.audit
         values = (
             e.ref.project_id,
             e.ref.tenant_id,
@@ -224,11 +278,21 @@ async def write_events(conn: asyncpg.Connection, events: Sequence[NewEvent]) -> 
             a.last_provider_seq if a else None,
             a.last_provider_at if a else None,
             e.inbox_id,
+            audit is None,
+            audit.reason if audit else None,
+            audit.observed if audit else None,
+            audit.received_at if audit else None,
+            audit.provider if audit else None,
+            audit.provider_sequence if audit else None,
+            audit.progress if audit else None,
+            audit.dedup_key if audit else None,
         )
         for column, value in zip(columns, values, strict=True):
             column.append(value)
     rows = await conn.fetch(q("write_events"), *columns)
-    if len(rows) != len(events):
+    if len(rows) != len(events) or any(
+        e.audit is None and row["seq"] is None for row, e in zip(rows, events, strict=True)
+    ):
         raise RuntimeError("a project of the batch has no event stream")
     if rows[0]["tasks_updated"] != rows[0]["tasks"]:
         raise RuntimeError("a task of the batch is not at the version it was decided on")

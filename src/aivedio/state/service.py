@@ -41,6 +41,7 @@ from aivedio.domain.transitions import (
 )
 from aivedio.errors import AivedioError, DatabaseUnavailable
 from aivedio.state.events import (
+    AuditRow,
     EventWritten,
     NewEvent,
     TaskRef,
@@ -153,7 +154,7 @@ def _evolve(locked: _Locked, decision: Decision, now: datetime) -> _Locked:
             stage=change.stage,
             progress=change.progress,
             version=task.version + 1,
-            progress_event_at=now,
+            progress_event_at=now if decision.public else task.progress_event_at,
             error_code=change.error_code,
             error_message=change.error_message,
             asset_id=change.asset_id,
@@ -323,7 +324,7 @@ class StateService:
         for (item, _), event in zip(events, written, strict=True):
             assert item.locked is not None
             results[item.index] = ApplyResult(
-                Outcome.APPLIED, None, item.locked.task.id, event.version, event
+                Outcome.APPLIED, item.decision.reason, item.locked.task.id, event.version, event
             )
         return [r for r in results if r is not None]
 
@@ -358,7 +359,7 @@ class StateService:
         assert decision.change is not None
         event = _new_event(item, locked, decision.change, decision.attempt)
         written = await write_event(conn, event.ref, **event.params())
-        return ApplyResult(Outcome.APPLIED, None, task.id, written.version, written)
+        return ApplyResult(Outcome.APPLIED, decision.reason, task.id, written.version, written)
 
     @staticmethod
     def _count(obs: Observation, result: ApplyResult) -> ApplyResult:
@@ -416,6 +417,18 @@ def _new_event(
     item: _Pending, locked: _Locked, change: TaskChange, attempt_change: AttemptChange | None
 ) -> NewEvent:
     obs = item.obs
+    provider = obs if isinstance(obs, ProviderObservation) else None
+    audit = None
+    if not item.decision.public:  # a new version, but no public event: its audit row instead
+        audit = AuditRow(
+            reason=str(item.decision.reason),
+            observed=_observed(obs),
+            received_at=obs.received_at,
+            provider=provider.provider if provider else None,
+            provider_sequence=provider.provider_sequence if provider else None,
+            progress=obs.progress,
+            dedup_key=provider.dedup_key if provider else None,
+        )
     return NewEvent(
         ref=locked.ref,
         attempt_id=locked.attempt.id,
@@ -425,7 +438,8 @@ def _new_event(
         trace_id=obs.trace_id,
         occurred_at=_occurred_at(obs),
         attempt_change=attempt_change,
-        inbox_id=obs.inbox_id if isinstance(obs, ProviderObservation) else None,
+        inbox_id=provider.inbox_id if provider else None,
+        audit=audit,
     )
 
 

@@ -335,21 +335,24 @@ class TaskStore:
                 }
                 for e in events
             ],
-            "ignored_observations": [
-                {
-                    "outcome": a["outcome"],
-                    "reason": a["reason"],
-                    "source": a["source"],
-                    "observed": a["observed"],
-                    "provider_sequence": a["provider_sequence"],
-                    "progress": a["progress"],
-                    "task_version": a["task_version"],
-                    "trace_id": a["trace_id"],
-                    "received_at": a["received_at"].isoformat(),
-                }
-                for a in audit
-            ],
+            "ignored_observations": [_audited(a) for a in audit if a["outcome"] != "applied"],
+            # versions that changed no public field: written and audited, but no event
+            "unpublished_versions": [_audited(a) for a in audit if a["outcome"] == "applied"],
         }
+
+
+def _audited(a: asyncpg.Record) -> dict[str, Any]:
+    return {
+        "outcome": a["outcome"],
+        "reason": a["reason"],
+        "source": a["source"],
+        "observed": a["observed"],
+        "provider_sequence": a["provider_sequence"],
+        "progress": a["progress"],
+        "task_version": a["task_version"],
+        "trace_id": a["trace_id"],
+        "received_at": a["received_at"].isoformat(),
+    }
 
 
 def encode_page(created_at: datetime, task_id: uuid.UUID) -> str:

@@ -17,10 +17,10 @@ from datetime import UTC, datetime
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.domain.observation import Source
-from aivedio.domain.statuses import STATUS_TABLE, Status
-from aivedio.domain.transitions import RETRY_CHANGE
+from aivedio.domain.statuses import STATUS_TABLE, Stage, Status
+from aivedio.domain.transitions import RETRY_CHANGE, Reason, TaskChange, changes_public
 from aivedio.errors import Conflict, NotFound
-from aivedio.state.events import TaskRef, write_event
+from aivedio.state.events import AuditRow, TaskRef, write_event
 from aivedio.state.tasks import new_client_request_id
 
 # Statuses whose provider-side truth is unknown: resubmitting them is an operator's call.
@@ -119,6 +119,13 @@ async def resubmit(db: Database, task_id: uuid.UUID, reason: str, operator: str)
             operator,
         )
         await conn.execute(q("switch_attempt"), task_id, attempt_id)
+        now = datetime.now(UTC)
+        shown = TaskChange(
+            status, Stage(row["stage"]), row["progress"], row["error_code"], None, row["asset_id"]
+        )
+        audit = None  # submit_unknown -> created looks the same: a version, not a public event
+        if not changes_public(shown, RETRY_CHANGE):
+            audit = AuditRow(str(Reason.NO_PUBLIC_CHANGE), "resubmit", now)
         written = await write_event(
             conn,
             TaskRef(task_id, row["project_id"], row["tenant_id"], row["user_id"]),
@@ -127,7 +134,8 @@ async def resubmit(db: Database, task_id: uuid.UUID, reason: str, operator: str)
             change=RETRY_CHANGE,
             source=str(Source.RECONCILE),
             trace_id=None,
-            occurred_at=datetime.now(UTC),
+            occurred_at=now,
+            audit=audit,
         )
     return Resubmitted(
         task_id=task_id,

@@ -1,6 +1,6 @@
 -- name: lock_task_by_id
 SELECT t.id, t.tenant_id, t.project_id, t.user_id, t.status, t.version, t.provider, t.model,
-       t.current_attempt_id AS attempt_id
+       t.current_attempt_id AS attempt_id, t.stage, t.progress, t.error_code, t.asset_id
 FROM generation_tasks t
 WHERE t.id = $1
 FOR UPDATE OF t

@@ -38,13 +38,18 @@ FOR UPDATE OF t
 -- writers of one project until commit, so seqs are contiguous and commit-ordered), insert the
 -- task event, move the task to its new version (CAS on the old one), record what was seen on the
 -- attempt, insert the outbox row, mark the inbox row processed.
+-- A version that is not a public event ($23 false: it changes no public field) takes no seq and
+-- inserts no task event; its outbox row has event_id and epoch null, and its audit row
+-- (observation_audit, outcome 'applied') is written instead. Always returns one row.
 -- $1 project  $2 tenant  $3 task  $4 attempt  $5 new version  $6 public payload  $7 source
 -- $8 trace  $9 occurred_at  $10 status  $11 stage  $12 progress  $13 error_code
 -- $14 error_message  $15 asset  $16 terminal  $17 domain payload  $18 record attempt?
 -- $19 provider_status  $20 last_provider_seq  $21 last_provider_at  $22 inbox id
+-- $23 public event?  audit row (when not): $24 reason  $25 observed  $26 received_at
+-- $27 provider  $28 provider_sequence  $29 progress  $30 dedup key
 WITH stream AS (
     UPDATE event_streams SET head = head + 1, updated_at = now()
-    WHERE project_id = $1
+    WHERE project_id = $1 AND $23::boolean
     RETURNING epoch, head
 ), event AS (
     INSERT INTO task_events (project_id, epoch, seq, tenant_id, task_id, attempt_id,
@@ -57,9 +62,10 @@ WITH stream AS (
 ), task AS (
     UPDATE generation_tasks
     SET status = $10, stage = $11, progress = $12, version = $5,
-        last_event_id = (SELECT head FROM stream),
+        last_event_id = COALESCE((SELECT head FROM stream), last_event_id),
         error_code = $13, error_message = $14, asset_id = $15,
-        progress_event_at = now(),
+        -- the last event of the stage: a version that is not an event keeps it
+        progress_event_at = CASE WHEN $23::boolean THEN now() ELSE progress_event_at END,
         terminal_at = CASE WHEN $16::boolean THEN now() END,
         trace_id = COALESCE($8, trace_id),
         updated_at = now()
@@ -82,16 +88,22 @@ WITH stream AS (
 ), outbox AS (
     INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_version, event_type, payload)
     SELECT 'task', $3, $5, 'task.status.changed',
-           $17::jsonb || jsonb_build_object('event_id', stream.head, 'epoch', stream.epoch)
-    FROM stream
+           $17::jsonb || jsonb_build_object('event_id', (SELECT head FROM stream),
+                                            'epoch', (SELECT epoch FROM stream))
+), audit AS (
+    INSERT INTO observation_audit (task_id, attempt_id, project_id, outcome, reason, source,
+                                   provider, observed, provider_sequence, progress,
+                                   task_version, inbox_id, dedup_key, trace_id, received_at)
+    SELECT $3, $4, $1, 'applied', $24, $7, $27, $25, $28, $29, $5, $22, $30, $8, $26
+    WHERE NOT $23::boolean
 ), inbox AS (
     UPDATE provider_callback_inbox
     SET process_status = 'processed', processed_at = now()
     WHERE id = $22
     RETURNING id
 )
-SELECT stream.epoch, stream.head, (SELECT count(*) FROM task) AS tasks_updated
-FROM stream
+SELECT (SELECT epoch FROM stream) AS epoch, (SELECT head FROM stream) AS head,
+       (SELECT count(*) FROM task) AS tasks_updated
 
 -- name: record_unapplied
 -- An observation that changed nothing: its audit row, what it taught us about the attempt, its
@@ -131,46 +143,59 @@ SELECT (SELECT id FROM audit) AS audit_id, (SELECT id FROM item) AS item_id
 -- were decided), and each one is exactly what write_event would write for it in that order:
 -- - the stream rows of the batch's projects are locked in project id order (the locked CTE is
 --   materialized, and the stream UPDATE only touches rows it produced), so two batches cannot
---   deadlock on them; each head moves by the project's event count and events are numbered
---   from the old head, contiguous and in order;
+--   deadlock on them; each head moves by the project's public event count and public events
+--   are numbered from the old head, contiguous and in order;
+-- - a version that is not a public event ($23 false) takes no seq and no task event: its
+--   outbox row has event_id and epoch null and its audit row is written instead (write_event);
 -- - a task with several events ends as its last one left it (version CAS on the first one's
---   version - 1, last_event_id its last seq, the last non-NULL trace id);
+--   version - 1, last_event_id its last public seq, the last non-NULL trace id);
 -- - an attempt takes the provider fields of its last event (the caller passes the batch's final
 --   values there) and next_poll_at as write_event's CASE applied event after event would leave
 --   it (any terminal: NULL; else any webhook: pushed out by 30 seconds).
+-- Returns one row per event, in order (seq and epoch null for a version that is not public).
 -- $1 project[]  $2 tenant[]  $3 task[]  $4 attempt[]  $5 new version[]  $6 public payload[]
 -- $7 source[]  $8 trace[]  $9 occurred_at[]  $10 status[]  $11 stage[]  $12 progress[]
 -- $13 error_code[]  $14 error_message[]  $15 asset[]  $16 terminal[]  $17 domain payload[]
 -- $18 record attempt?[]  $19 provider_status[]  $20 last_provider_seq[]  $21 last_provider_at[]
--- $22 inbox id[]
+-- $22 inbox id[]  $23 public event?[]  audit rows: $24 reason[]  $25 observed[]
+-- $26 received_at[]  $27 provider[]  $28 provider_sequence[]  $29 progress[]  $30 dedup key[]
 WITH input AS MATERIALIZED (
     SELECT *
     FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::bigint[], $6::text[],
                 $7::text[], $8::text[], $9::timestamptz[], $10::text[], $11::text[],
                 $12::smallint[], $13::text[], $14::text[], $15::uuid[], $16::boolean[],
                 $17::text[], $18::boolean[], $19::text[], $20::bigint[], $21::timestamptz[],
-                $22::bigint[])
+                $22::bigint[], $23::boolean[], $24::text[], $25::text[], $26::timestamptz[],
+                $27::text[], $28::bigint[], $29::smallint[], $30::text[])
         WITH ORDINALITY AS i (project_id, tenant_id, task_id, attempt_id, version, public_payload,
                               source, trace_id, occurred_at, status, stage, progress, error_code,
                               error_message, asset_id, terminal, payload, record_attempt,
-                              provider_status, last_provider_seq, last_provider_at, inbox_id, ord)
+                              provider_status, last_provider_seq, last_provider_at, inbox_id,
+                              public, audit_reason, audit_observed, audit_received_at,
+                              audit_provider, audit_provider_sequence, audit_progress,
+                              audit_dedup_key, ord)
 ), locked AS MATERIALIZED (
     SELECT project_id FROM event_streams
-    WHERE project_id IN (SELECT project_id FROM input)
+    WHERE project_id IN (SELECT project_id FROM input WHERE public)
     ORDER BY project_id
     FOR UPDATE
 ), stream AS (
     UPDATE event_streams s
     SET head = s.head + c.n, updated_at = now()
-    FROM (SELECT l.project_id, (SELECT count(*) FROM input WHERE input.project_id = l.project_id) AS n
+    FROM (SELECT l.project_id,
+                 (SELECT count(*) FROM input WHERE input.project_id = l.project_id AND public) AS n
           FROM locked l) c
     WHERE s.project_id = c.project_id
     RETURNING s.project_id, s.epoch, s.head - c.n AS base
 ), numbered AS (
-    SELECT i.*, st.epoch,
-           st.base + row_number() OVER (PARTITION BY i.project_id ORDER BY i.ord) AS seq
+    SELECT i.*,
+           CASE WHEN i.public THEN st.epoch END AS epoch,
+           CASE WHEN i.public
+                THEN st.base + row_number() OVER (PARTITION BY i.project_id, i.public
+                                                  ORDER BY i.ord)
+           END AS seq
     FROM input i
-    JOIN stream st ON st.project_id = i.project_id
+    LEFT JOIN stream st ON st.project_id = i.project_id
 ), event AS (
     INSERT INTO task_events (project_id, epoch, seq, tenant_id, task_id, attempt_id,
                              task_version, event_type, public_payload, source, trace_id,
@@ -179,6 +204,7 @@ WITH input AS MATERIALIZED (
            public_payload::jsonb || jsonb_build_object('event_id', seq), source, trace_id,
            occurred_at, clock_timestamp()
     FROM numbered
+    WHERE public
     ORDER BY ord
 ), last_event AS (
     SELECT DISTINCT ON (task_id) *
@@ -186,15 +212,18 @@ WITH input AS MATERIALIZED (
     ORDER BY task_id, ord DESC
 ), per_task AS (
     SELECT task_id, min(version) AS first_version,
-           (array_agg(trace_id ORDER BY ord DESC) FILTER (WHERE trace_id IS NOT NULL))[1] AS trace_id
+           (array_agg(trace_id ORDER BY ord DESC) FILTER (WHERE trace_id IS NOT NULL))[1] AS trace_id,
+           max(seq) AS last_seq,
+           bool_or(public) AS any_public
     FROM numbered
     GROUP BY task_id
 ), task AS (
     UPDATE generation_tasks t
     SET status = e.status, stage = e.stage, progress = e.progress, version = e.version,
-        last_event_id = e.seq,
+        last_event_id = COALESCE(p.last_seq, t.last_event_id),
         error_code = e.error_code, error_message = e.error_message, asset_id = e.asset_id,
-        progress_event_at = now(),
+        -- write_event event after event: the time of the last public one, if any
+        progress_event_at = CASE WHEN p.any_public THEN now() ELSE t.progress_event_at END,
         terminal_at = CASE WHEN e.terminal THEN now() END,
         trace_id = COALESCE(p.trace_id, t.trace_id),
         updated_at = now()
@@ -229,6 +258,16 @@ WITH input AS MATERIALIZED (
     SELECT 'task', task_id, version, 'task.status.changed',
            payload::jsonb || jsonb_build_object('event_id', seq, 'epoch', epoch)
     FROM numbered
+    ORDER BY ord
+), audit AS (
+    INSERT INTO observation_audit (task_id, attempt_id, project_id, outcome, reason, source,
+                                   provider, observed, provider_sequence, progress,
+                                   task_version, inbox_id, dedup_key, trace_id, received_at)
+    SELECT task_id, attempt_id, project_id, 'applied', audit_reason, source, audit_provider,
+           audit_observed, audit_provider_sequence, audit_progress, version, inbox_id,
+           audit_dedup_key, trace_id, audit_received_at
+    FROM numbered
+    WHERE NOT public
     ORDER BY ord
 ), inbox AS (
     UPDATE provider_callback_inbox
