@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 
 class StreamRefused(Exception):
-    """The server refused the stream for good (401, 403, 400): reconnecting cannot help."""
+    """The server refused the stream for good (400, 401, 403, 404): reconnecting cannot help."""
 
     def __init__(self, status: int, body: str) -> None:
         super().__init__(f"stream refused with HTTP {status}: {body}")
@@ -211,7 +211,7 @@ class Client:
         async with self.http.stream(
             "GET", url, params=params, headers=headers, timeout=timeout
         ) as response:
-            if response.status_code in (400, 401, 403):
+            if response.status_code in (400, 401, 403, 404):
                 raise StreamRefused(response.status_code, (await response.aread()).decode())
             response.raise_for_status()
             self.connects += 1
@@ -254,7 +254,7 @@ class Client:
             )
         except InvalidStatus as exc:
             status = exc.response.status_code
-            if status in (400, 401, 403):
+            if status in (400, 401, 403, 404):
                 raise StreamRefused(status, exc.response.body.decode(errors="replace")) from exc
             raise
 

@@ -278,12 +278,13 @@ async def test_cross_tenant_is_refused_and_receives_nothing(make_env: EnvFactory
     with pytest.raises(StreamRefused) as info:
         async for _ in intruder.connect_once():
             pass
-    assert info.value.status == 403
+    assert info.value.status == 404  # like a project that does not exist
     own = env.client(api_key=other.api_key, project_id=other.project_id)
     token = await own.stream_token()
     with pytest.raises(InvalidStatus) as status:
         await open_ws(env, f"?token={token}", headers={}, origin=Origin(env.base_url))
-    assert status.value.response.status_code == 403
+    assert status.value.response.status_code == 404
+    assert json.loads(status.value.response.body)["error"]["code"] == "not_found"
     await intruder.aclose()
     await own.aclose()
 

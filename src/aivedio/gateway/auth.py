@@ -52,13 +52,23 @@ __all__ = [
 
 
 class Refused(Exception):
-    """A stream request refused before it starts: HTTP status, close reason, message."""
+    """A stream request refused before it starts: HTTP status, close reason, message; the
+    body's ``error.code`` is ``code``, by default the reason's name."""
 
-    def __init__(self, status: int, reason: CloseReason, message: str) -> None:
+    def __init__(
+        self, status: int, reason: CloseReason, message: str, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.reason = reason
         self.message = message
+        self.code = code or reason.label
+
+
+def _no_project() -> Refused:
+    """A project the credential may not use: answered like one that does not exist (404, as
+    the REST API does), so a refusal never confirms that another tenant's project exists."""
+    return Refused(404, CloseReason.FORBIDDEN, "project not found", code="not_found")
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,13 +150,15 @@ class StreamTokens:
 
 async def authenticate(store: EventStore, tokens: StreamTokens | None, req: SseRequest) -> Identity:
     """Tenant and project are checked here, on connect; events then follow the subscription.
+    A project of another tenant, or outside the token's or the session's project, is 404
+    ``not_found``, like a project that does not exist.
 
     A stream token (``?token=`` or its cookie) first, then an API key (``Authorization:
     Bearer``), then the browser session cookie."""
     if req.token is not None and tokens is not None:
         claims = tokens.verify(req.token)
         if claims.project_id != req.project_id:
-            raise Refused(403, CloseReason.FORBIDDEN, "the token is for another project")
+            raise _no_project()
         return Identity(
             claims.tenant_id,
             claims.user_id,
@@ -164,10 +176,10 @@ async def authenticate(store: EventStore, tokens: StreamTokens | None, req: SseR
         raise Refused(
             401, CloseReason.UNAUTHORIZED, "an API key, session or stream token is required"
         )
-    if not caller.may_use(req.project_id):
-        raise Refused(403, CloseReason.FORBIDDEN, "the session is for another project")
+    if not caller.may_use(req.project_id):  # a session bound to another project
+        raise _no_project()
     if await store.project_tenant(req.project_id) != caller.tenant_id:
-        raise Refused(403, CloseReason.FORBIDDEN, "no such project for this credential")
+        raise _no_project()
     expires = caller.expires_at.timestamp() if caller.expires_at is not None else None
     return Identity(caller.tenant_id, caller.user_id, caller.key_id, caller.session_id, expires)
 

@@ -256,7 +256,7 @@ class Gateway:
                 headers = (
                     {"WWW-Authenticate": 'Bearer realm="aivedio"'} if exc.status == 401 else {}
                 )
-                self._refuse(transport, exc.status, exc.reason.label, exc.message, headers)
+                self._refuse(transport, exc.status, exc.code, exc.message, headers)
                 return
             counted = await self.counters.acquire(identity)
             if isinstance(counted, str):
