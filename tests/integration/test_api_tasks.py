@@ -314,3 +314,37 @@ async def test_health_ready_metrics(api: Api) -> None:
     await create(api)
     metrics = (await api.client.get("/metrics")).text
     assert "aivedio_observations_total" in metrics
+
+
+async def test_text_postgresql_cannot_store_is_a_field_error_not_a_500(api: Api) -> None:
+    headers = api.auth() | {"Idempotency-Key": "k", "content-type": "application/json"}
+    for raw, field in [
+        (b'{"provider": "sandbox", "model": "m\\u0000", "prompt": "p"}', "model"),
+        (b'{"provider": "sandbox", "model": "m", "prompt": "\\ud800"}', "prompt"),
+        (
+            b'{"provider": "sandbox", "model": "m", "prompt": "p", "params": {"\\u0000": 1}}',
+            "params",
+        ),
+        (
+            b'{"provider": "sandbox", "model": "m", "prompt": "p", "params": {"a": ["\\udc00"]}}',
+            "params",
+        ),
+    ]:
+        r = await api.client.post(api.tasks_url(), content=raw, headers=headers)
+        assert r.status_code == 422, raw
+        assert r.json()["error"]["code"] == "validation_failed"
+        assert [f["field"] for f in r.json()["error"]["fields"]] == [field], raw
+    for raw in (b'{"params": {"a": NaN}}', b'{"params": {"a": 1e400}}', b'{"params": -Infinity}'):
+        r = await api.client.post(api.tasks_url(), content=raw, headers=headers)
+        assert (r.status_code, r.json()["error"]["code"]) == (422, "invalid_json"), raw
+    async with api.db.connection() as conn:
+        assert await conn.fetchval("SELECT count(*) FROM generation_tasks") == 0
+
+
+async def test_list_limit_is_digits_within_the_page_size(api: Api) -> None:
+    for limit in ("0", "201", " 5", "+5", "5.0", "5_0", "five", ""):
+        r = await api.client.get(api.tasks_url(), params={"limit": limit}, headers=api.auth())
+        assert r.status_code == 422, limit
+        assert r.json()["error"]["fields"] == [{"field": "limit", "message": "1..200"}], limit
+    ok = await api.client.get(api.tasks_url(), params={"limit": "200"}, headers=api.auth())
+    assert ok.status_code == 200

@@ -236,6 +236,25 @@ async def test_only_a_valid_key_creates_a_session(make_session_env: SessionEnvFa
     assert response.status_code == 404  # a project of another tenant
 
 
+async def test_a_bad_session_body_is_a_field_error(make_session_env: SessionEnvFactory) -> None:
+    env = await make_session_env()
+    key = {"Authorization": f"Bearer {env.project.api_key}"}
+    body_error = {"field": "body", "message": 'an object {"project_id"?: UUID}'}
+    for body, fields in [
+        ({"project_id": "not-a-uuid"}, [{"field": "project_id", "message": "a UUID"}]),
+        ({"project_id": 7}, [{"field": "project_id", "message": "a UUID"}]),
+        ([], [body_error]),
+        ({"project_id": None, "extra": 1}, [body_error]),
+    ]:
+        response = await env.http.post("/v1/sessions", headers=key, json=body)
+        assert response.status_code == 422, body
+        assert response.json()["error"]["code"] == "validation_failed"
+        assert response.json()["error"]["fields"] == fields, body
+    for body in ({}, {"project_id": None}):
+        made = await env.http.post("/v1/sessions", headers=key, json=body)
+        assert made.status_code == 201 and made.json()["session"]["project_id"] is None
+
+
 # -- REST with the cookie --------------------------------------------------------------------
 
 

@@ -1,4 +1,6 @@
-"""The Starlette application: routes, error mapping, health and metrics."""
+"""The Starlette application: routes, error mapping, health and metrics, the OpenAPI document
+and its page. Every error is the contract's ``{"error": {...}}``, Starlette's own 404 and 405
+included."""
 
 from __future__ import annotations
 
@@ -7,12 +9,15 @@ from collections.abc import Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from aivedio.api.http import ApiError, TraceMiddleware, error_response
+from aivedio.api.docs import docs_routes
+from aivedio.api.http import ApiError, TraceMiddleware, error_response, respond
+from aivedio.api.models import Health, Readiness
 from aivedio.api.tasks import TaskRoutes
 from aivedio.config import ApiConfig
 from aivedio.db.pool import Database
@@ -37,12 +42,12 @@ def create_app(
     """The API app. ``extra_routes`` lets other roles (callbacks, gateway) share the port."""
 
     async def healthz(request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        return respond(Health(status="ok"))
 
     async def readyz(request: Request) -> Response:
         async with db.connection() as conn:
             await conn.fetchval("SELECT 1")
-        return JSONResponse({"status": "ready"})
+        return respond(Readiness(status="ready"))
 
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
@@ -69,6 +74,16 @@ def create_app(
         assert isinstance(exc, Conflict)
         return error_response(ApiError(409, exc.code, exc.message))
 
+    async def on_http(request: Request, exc: Exception) -> Response:
+        """Starlette's own answers (no such route, method not allowed) in the error shape."""
+        assert isinstance(exc, HTTPException)
+        code = _HTTP_CODES.get(exc.status_code, "http_error")
+        headers = dict(exc.headers or {})
+        return error_response(ApiError(exc.status_code, code, exc.detail, headers=headers))
+
+    async def on_internal(request: Request, exc: Exception) -> Response:
+        return error_response(ApiError(500, "internal", "an internal error; retry later"))
+
     async def on_idempotency(request: Request, exc: Exception) -> Response:
         return error_response(
             ApiError(
@@ -83,6 +98,7 @@ def create_app(
         Route("/healthz", healthz),
         Route("/readyz", readyz),
         Route("/metrics", metrics),
+        *docs_routes(),
         *TaskRoutes(db, tasks, config).routes(),
         *extra_routes,
     ]
@@ -90,6 +106,8 @@ def create_app(
         routes=routes,
         middleware=[Middleware(TraceMiddleware)],
         exception_handlers={
+            HTTPException: on_http,
+            500: on_internal,
             ApiError: on_api_error,
             DatabaseUnavailable: on_unavailable,
             NotFound: on_not_found,
@@ -97,3 +115,6 @@ def create_app(
             IdempotencyMismatch: on_idempotency,
         },
     )
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed"}

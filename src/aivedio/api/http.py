@@ -1,18 +1,24 @@
-"""Error responses, bounded body reading, the trace-id middleware."""
+"""Error responses, bounded body reading, body validation with the contract's models, responses
+serialised through them, the trace-id middleware."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 import time
-from typing import Any
+from typing import Any, TypeVar
 
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from aivedio.api.models import ErrorDetail, ErrorResponse, FieldError
 from aivedio.logs import log, new_trace_id, trace_id_var
+
+M = TypeVar("M", bound=BaseModel)
 
 logger = logging.getLogger("aivedio.api")
 
@@ -39,22 +45,53 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
-def invalid_field(field: str, message: str) -> ApiError:
-    """The API's one answer to a bad field: 422 ``validation_failed`` naming it in ``fields``."""
-    return ApiError(
-        422,
-        "validation_failed",
-        "the request is invalid",
-        fields=[{"field": field, "message": message}],
+def respond(
+    body: BaseModel, status_code: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    """A JSON response serialised through its contract model (``api.models``)."""
+    return Response(body.model_dump_json(), status_code, headers, media_type="application/json")
+
+
+def error_response(exc: ApiError) -> Response:
+    fields = [FieldError(**f) for f in exc.fields] if exc.fields is not None else None
+    detail = ErrorDetail(
+        code=exc.code, message=exc.message, fields=fields, trace_id=trace_id_var.get()
+    )
+    return Response(
+        ErrorResponse(error=detail).model_dump_json(exclude_none=True),
+        exc.status,
+        exc.headers,
+        media_type="application/json",
     )
 
 
-def error_response(exc: ApiError) -> JSONResponse:
-    body: dict[str, Any] = {"code": exc.code, "message": exc.message}
-    if exc.fields is not None:
-        body["fields"] = exc.fields
-    body["trace_id"] = trace_id_var.get()
-    return JSONResponse({"error": body}, status_code=exc.status, headers=exc.headers)
+def body_errors(model: type[M], payload: Any) -> tuple[M | None, list[dict[str, str]]]:
+    """``payload`` validated by a request model: the model, or the field errors of a 422
+    ``validation_failed`` (the model's own stable messages where it has them)."""
+    try:
+        return model.model_validate(payload), []
+    except ValidationError as exc:
+        messages: dict[str, str] = getattr(model, "field_messages", {})
+        body_error: tuple[str, str] | None = getattr(model, "body_error", None)
+        fields: list[dict[str, str]] = []
+        for err in exc.errors(include_url=False, include_input=False):
+            loc = err["loc"]
+            if body_error is not None and (not loc or err["type"] == "extra_forbidden"):
+                field, message = body_error
+            else:
+                field = ".".join(str(p) for p in loc) or "body"
+                message = messages.get(str(loc[0]), err["msg"]) if loc else err["msg"]
+            if {"field": field, "message": message} not in fields:
+                fields.append({"field": field, "message": message})
+        return None, fields
+
+
+def parse_body(model: type[M], payload: Any) -> M:
+    """``body_errors``, raising the 422 ``validation_failed`` when there are errors."""
+    body, fields = body_errors(model, payload)
+    if body is None:
+        raise ApiError(422, "validation_failed", "the request is invalid", fields=fields)
+    return body
 
 
 async def read_json(request: Request, limit: int) -> Any:
@@ -73,9 +110,20 @@ async def read_json(request: Request, limit: int) -> Any:
             raise ApiError(413, "body_too_large", f"the body may be at most {limit} bytes")
         chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks))
+        return json.loads(b"".join(chunks), parse_constant=_no_constant, parse_float=_finite)
     except (UnicodeDecodeError, ValueError) as exc:
         raise ApiError(422, "invalid_json", "the body is not valid JSON") from exc
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400: valid JSON syntax, but no number PostgreSQL stores
+        raise ValueError(f"{text} is out of range")
+    return value
 
 
 class TraceMiddleware:

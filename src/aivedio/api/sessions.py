@@ -22,14 +22,14 @@ import secrets
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
 from aivedio.admin import hash_api_key
-from aivedio.api.http import ApiError, invalid_field, read_json
+from aivedio.api.http import ApiError, parse_body, read_json, respond
+from aivedio.api.models import CreateSessionBody, Session, SessionResponse
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.state.tasks import Principal
@@ -175,13 +175,12 @@ def _cookie(secret: str, max_age: int, secure: bool) -> str:
 
 def _describe(
     session_id: uuid.UUID, project_id: uuid.UUID | None, created: datetime, expires: datetime
-) -> dict[str, Any]:
-    return {
-        "id": str(session_id),
-        "project_id": str(project_id) if project_id is not None else None,
-        "created_at": created.isoformat(),
-        "expires_at": expires.isoformat(),
-    }
+) -> SessionResponse:
+    return SessionResponse(
+        session=Session(
+            id=session_id, project_id=project_id, created_at=created, expires_at=expires
+        )
+    )
 
 
 def session_routes(db: Database, public_url: str, ttl_s: int = DEFAULT_TTL_S) -> list[BaseRoute]:
@@ -213,9 +212,9 @@ def session_routes(db: Database, public_url: str, ttl_s: int = DEFAULT_TTL_S) ->
                 float(ttl_s),
             )
         assert row is not None  # INSERT ... RETURNING
-        body = {"session": _describe(session_id, project_id, row["created_at"], row["expires_at"])}
+        body = _describe(session_id, project_id, row["created_at"], row["expires_at"])
         headers = no_store | {"Set-Cookie": _cookie(secret, ttl_s, secure)}
-        return JSONResponse(body, status_code=201, headers=headers)
+        return respond(body, 201, headers)
 
     async def current(request: Request) -> Response:
         secret = request.cookies.get(SESSION_COOKIE)
@@ -226,7 +225,7 @@ def session_routes(db: Database, public_url: str, ttl_s: int = DEFAULT_TTL_S) ->
         described = _describe(
             caller.session_id, caller.project_id, caller.created_at, caller.expires_at
         )
-        return JSONResponse({"session": described}, headers=no_store)
+        return respond(described, headers=no_store)
 
     async def delete(request: Request) -> Response:
         secret = request.cookies.get(SESSION_COOKIE)
@@ -252,13 +251,4 @@ async def _body_project(request: Request) -> uuid.UUID | None:
         "transfer-encoding"
     ):
         return None
-    body = await read_json(request, 4096)
-    raw = body.get("project_id") if isinstance(body, dict) else None
-    if not isinstance(body, dict) or set(body) - {"project_id"}:
-        raise invalid_field("body", 'an object {"project_id"?: UUID}')
-    if raw is None:
-        return None
-    try:
-        return uuid.UUID(str(raw))
-    except ValueError as exc:
-        raise invalid_field("project_id", "a UUID") from exc
+    return parse_body(CreateSessionBody, await read_json(request, 4096)).project_id

@@ -5,30 +5,34 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from aivedio.api.auth import authenticate
-from aivedio.api.http import ApiError, read_json
+from aivedio.api.http import ApiError, body_errors, read_json, respond
+from aivedio.api.models import (
+    AuditResponse,
+    CreateTaskBody,
+    ListQuery,
+    Snapshot,
+    TaskList,
+    TaskResponse,
+)
 from aivedio.config import ApiConfig
 from aivedio.db.pool import Database
 from aivedio.logs import trace_id_var
 from aivedio.state.tasks import NewTask, TaskStore
 
+__all__ = ["PARAMS_MAX_BYTES", "CreateTaskBody", "TaskRoutes"]
+
 PARAMS_MAX_BYTES = 16 * 1024
 
 
-class CreateTaskBody(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    provider: Annotated[str, Field(min_length=1, max_length=64)]
-    model: Annotated[str, Field(min_length=1, max_length=200)]
-    prompt: Annotated[str, Field(min_length=1, max_length=8000)]
-    params: dict[str, Any] = Field(default_factory=dict)
+def _task(snapshot: dict[str, Any]) -> TaskResponse:
+    return TaskResponse(task=Snapshot.model_validate(snapshot))
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +52,7 @@ class TaskRoutes:
             Route(base + "/{task_id}/audit", self.audit, methods=["GET"]),
         ]
 
-    async def create(self, request: Request) -> JSONResponse:
+    async def create(self, request: Request) -> Response:
         principal = await authenticate(self.db, request)
         project_id = _path_uuid(request, "project_id", "project")
         key = request.headers.get("idempotency-key", "")
@@ -58,14 +62,8 @@ class TaskRoutes:
                 {"field": "Idempotency-Key", "message": "header required, 1-255 printable chars"}
             )
         payload = await read_json(request, self.config.body_limit_bytes)
-        body = None
-        try:
-            body = CreateTaskBody.model_validate(payload)
-        except ValidationError as exc:
-            fields.extend(
-                {"field": ".".join(str(p) for p in err["loc"]) or "body", "message": err["msg"]}
-                for err in exc.errors(include_url=False, include_input=False)
-            )
+        body, errors = body_errors(CreateTaskBody, payload)
+        fields.extend(errors)
         if body is not None:
             if body.provider not in self.config.providers:
                 known = ", ".join(sorted(self.config.providers))
@@ -82,28 +80,24 @@ class TaskRoutes:
             trace_id_var.get(),
         )
         headers = {"Idempotent-Replayed": "true"} if created.replayed else {}
-        return JSONResponse({"task": created.snapshot}, status_code=202, headers=headers)
+        return respond(_task(created.snapshot), 202, headers)
 
-    async def get(self, request: Request) -> JSONResponse:
+    async def get(self, request: Request) -> Response:
         principal = await authenticate(self.db, request)
         project_id = _path_uuid(request, "project_id", "project")
         task_id = _path_uuid(request, "task_id", "task")
-        return JSONResponse({"task": await self.tasks.snapshot(principal, project_id, task_id)})
+        return respond(_task(await self.tasks.snapshot(principal, project_id, task_id)))
 
-    async def list(self, request: Request) -> JSONResponse:
+    async def list(self, request: Request) -> Response:
         principal = await authenticate(self.db, request)
         project_id = _path_uuid(request, "project_id", "project")
-        raw_limit = request.query_params.get("limit", "50")
-        if not raw_limit.isdigit() or not 1 <= int(raw_limit) <= self.config.page_size_max:
-            raise ApiError(
-                422,
-                "validation_failed",
-                "the request is invalid",
-                fields=[{"field": "limit", "message": f"1..{self.config.page_size_max}"}],
-            )
-        page = request.query_params.get("page")
+        query, errors = body_errors(ListQuery, dict(request.query_params))
+        if query is None or query.limit > self.config.page_size_max:
+            if query is not None or any(e["field"] == "limit" for e in errors):
+                errors = [{"field": "limit", "message": f"1..{self.config.page_size_max}"}]
+            raise ApiError(422, "validation_failed", "the request is invalid", fields=errors)
         try:
-            result = await self.tasks.list(principal, project_id, int(raw_limit), page)
+            result = await self.tasks.list(principal, project_id, query.limit, query.page)
         except ValueError as exc:
             raise ApiError(
                 422,
@@ -111,27 +105,28 @@ class TaskRoutes:
                 "the request is invalid",
                 fields=[{"field": "page", "message": "not a page token from this API"}],
             ) from exc
-        return JSONResponse(result)
+        return respond(TaskList.model_validate(result))
 
-    async def cancel(self, request: Request) -> JSONResponse:
+    async def cancel(self, request: Request) -> Response:
         principal = await authenticate(self.db, request)
         project_id = _path_uuid(request, "project_id", "project")
         task_id = _path_uuid(request, "task_id", "task")
         snapshot = await self.tasks.cancel(principal, project_id, task_id, trace_id_var.get())
-        return JSONResponse({"task": snapshot}, status_code=202)
+        return respond(_task(snapshot), 202)
 
-    async def retry(self, request: Request) -> JSONResponse:
+    async def retry(self, request: Request) -> Response:
         principal = await authenticate(self.db, request)
         project_id = _path_uuid(request, "project_id", "project")
         task_id = _path_uuid(request, "task_id", "task")
         snapshot = await self.tasks.retry(principal, project_id, task_id, trace_id_var.get())
-        return JSONResponse({"task": snapshot}, status_code=202)
+        return respond(_task(snapshot), 202)
 
-    async def audit(self, request: Request) -> JSONResponse:
+    async def audit(self, request: Request) -> Response:
         principal = await authenticate(self.db, request)
         project_id = _path_uuid(request, "project_id", "project")
         task_id = _path_uuid(request, "task_id", "task")
-        return JSONResponse(await self.tasks.audit(principal, project_id, task_id))
+        audit = await self.tasks.audit(principal, project_id, task_id)
+        return respond(AuditResponse.model_validate(audit))
 
 
 def _path_uuid(request: Request, name: str, what: str) -> uuid.UUID:

@@ -26,10 +26,11 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 
-from aivedio.api.http import ApiError, invalid_field, read_json
+from aivedio.api.http import ApiError, parse_body, read_json, respond
+from aivedio.api.models import StreamToken, StreamTokenBody
 from aivedio.api.sessions import caller_of, key_caller, revoked_credentials, session_caller
 from aivedio.db.pool import Database
 from aivedio.gateway.closecodes import CloseReason
@@ -202,11 +203,7 @@ def stream_token_routes(db: Database, secret: bytes, ttl_s: int = 60) -> list[Ba
 
     async def create(request: Request) -> Response:
         caller = await caller_of(db, request)  # a session cookie: with its CSRF check
-        body = await read_json(request, 4096)
-        try:
-            project_id = uuid.UUID(str(body["project_id"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise invalid_field("project_id", "a UUID") from exc
+        project_id = parse_body(StreamTokenBody, await read_json(request, 4096)).project_id
         if not caller.may_use(project_id):  # a session bound to another project
             raise ApiError(404, "not_found", "project not found")
         if await store.project_tenant(project_id) != caller.tenant_id:
@@ -220,9 +217,9 @@ def stream_token_routes(db: Database, secret: bytes, ttl_s: int = 60) -> list[Ba
             session_id=caller.session_id,
             credential_expires_at=int(expires_on.timestamp()) if expires_on is not None else None,
         )
-        expires_at = datetime.fromtimestamp(expires, UTC).isoformat()
-        return JSONResponse(
-            {"token": token, "expires_at": expires_at}, headers={"Cache-Control": "no-store"}
+        expires_at = datetime.fromtimestamp(expires, UTC)
+        return respond(
+            StreamToken(token=token, expires_at=expires_at), headers={"Cache-Control": "no-store"}
         )
 
     return [Route("/v1/stream-tokens", create, methods=["POST"])]

@@ -24,11 +24,12 @@ from datetime import UTC, datetime
 from urllib.parse import urlencode
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
+from starlette.responses import RedirectResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from aivedio.api.auth import authenticate
-from aivedio.api.http import ApiError
+from aivedio.api.http import ApiError, respond
+from aivedio.api.models import PlaybackLink
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.storage.port import ObjectNotFound, ObjectStore
@@ -140,8 +141,8 @@ def playback_routes(
         url = str(request.base_url).rstrip("/") + path
         if request.query_params.get("redirect") in ("1", "true"):
             return RedirectResponse(url, status_code=302, headers={"Cache-Control": "no-store"})
-        return JSONResponse(
-            {"url": url, "expires_at": expires.isoformat().replace("+00:00", "Z")},
+        return respond(
+            PlaybackLink(url=url, expires_at=expires.isoformat().replace("+00:00", "Z")),
             headers={"Cache-Control": "no-store"},
         )
 
