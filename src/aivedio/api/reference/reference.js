@@ -45,7 +45,8 @@ function typeOf(schema) {
   if (schema.enum) text = schema.enum.map((v) => JSON.stringify(v)).join(" | ");
   const limits = [];
   for (const key of ["minimum", "maximum", "minLength", "maxLength", "pattern", "default"]) {
-    if (key in schema) limits.push(`${key} ${JSON.stringify(schema[key])}`);
+    if (!(key in schema)) continue;
+    limits.push(`${key} ${key === "pattern" ? schema[key] : JSON.stringify(schema[key])}`);
   }
   if (limits.length) text += `, ${limits.join(", ")}`;
   return el("span", { class: "type" }, text);
@@ -90,7 +91,7 @@ function operation(path, method, op) {
       typeOf(p.schema),
       prose(p.description || "", "span"),
     ]);
-    section.append(table(["parameter", "in", "required", "type", ""], rows));
+    section.append(table(["parameter", "in", "required", "type", "meaning"], rows));
   }
   if (op.requestBody) {
     const body = op.requestBody;
@@ -120,7 +121,7 @@ function schemaSection(name, schema) {
     typeOf(property),
     prose(property.description || "", "span"),
   ]);
-  if (rows.length) section.append(table(["field", "required", "type", ""], rows));
+  if (rows.length) section.append(table(["field", "required", "type", "meaning"], rows));
   if (schema.additionalProperties === false) {
     section.append(el("p", { class: "muted" }, "No other fields."));
   }
@@ -158,7 +159,7 @@ function render(doc) {
     prose(s.description, "span"),
   ]);
   main.append(el("h2", { class: "group", id: "credentials" }, "credentials"));
-  main.append(table(["name", "where", ""], schemes));
+  main.append(table(["name", "where", "meaning"], schemes));
   document.body.dataset.rendered = "true";
 }
 
