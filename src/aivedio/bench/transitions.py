@@ -272,6 +272,8 @@ _WRITE_PARAMS = {
     20: ":next_version",  # last_provider_seq
     21: ":occurred_at",  # last_provider_at
     22: "NULL",  # inbox id
+    23: "true",  # a public event (progress moved): no audit row, the audit columns are NULL
+    **dict.fromkeys(range(24, 31), "NULL"),
 }
 
 
@@ -356,6 +358,14 @@ def _batch_script(blocks: int, batch: int, clients: int) -> str:
             20: versions,  # last_provider_seq
             21: fill(":occurred_at", "timestamptz"),
             22: fill("NULL", "bigint"),  # inbox id
+            23: fill("true", "boolean"),  # public events (progress moved): no audit rows
+            24: fill("NULL", "text"),  # audit reason
+            25: fill("NULL", "text"),  # audit observed
+            26: fill("NULL", "timestamptz"),  # audit received_at
+            27: fill("NULL", "text"),  # audit provider
+            28: fill("NULL", "bigint"),  # audit provider_sequence
+            29: fill("NULL", "smallint"),  # audit progress
+            30: fill("NULL", "text"),  # audit dedup key
         },
     )
     return f"\\set b {pick}\n\\set progress random(0, 100)\nBEGIN;\n{lock};\n{write};\nCOMMIT;\n"
