@@ -457,6 +457,35 @@ async def test_a_burst_in_one_batch_ends_as_one_by_one_in_one_transaction(env: E
     assert {r["process_status"] for r in await env.inbox()} == {"processed"}
 
 
+async def test_one_claim_across_projects_is_one_transaction(env: Env) -> None:
+    others = [await make_project(env.db, tenant=f"t{n}", project=f"p{n}") for n in range(2)]
+    tasks = []
+    for n, project in enumerate([env.project, *others]):
+        task_id, _ = await make_task(store(env.db, env.state), project)
+        async with env.db.connection() as conn:
+            await conn.execute(
+                "UPDATE task_attempts SET provider_task_id = $2 WHERE task_id = $1",
+                task_id,
+                f"gen_x{n}",
+            )
+        tasks.append(task_id)
+        for data in burst(f"gen_x{n}")[:3]:
+            await env.post_sandbox(data)
+    assert await drain(env.processor(InboxConfig(batch_size=64))) == 9
+    async with env.db.connection() as conn:
+        writers = await conn.fetchval(
+            "SELECT count(DISTINCT xmin::text) FROM task_events"
+            " WHERE task_id = ANY($1::uuid[]) AND source = 'webhook'",
+            tasks,
+        )
+        projects = await conn.fetchval(
+            "SELECT count(DISTINCT project_id) FROM task_events WHERE task_id = ANY($1::uuid[])",
+            tasks,
+        )
+    assert (writers, projects) == (1, 3)
+    assert {await env.status(t) for t in tasks} == {"running"}
+
+
 async def test_stale_rows_in_a_batch_are_audited_not_applied(env: Env) -> None:
     task_id, old_attempt, _ = await env.task(provider_task_id="gen_old")
     await env.post_sandbox(generation("gen_old", "failed", 1, error={"code": "x", "message": "m"}))
@@ -532,8 +561,9 @@ class StealingProcessor(InboxProcessor):
 
     stolen: set[int]
 
-    async def _prepare(self, row: asyncpg.Record, token: uuid.UUID) -> Any:
-        ready = await super()._prepare(row, token)
+    async def _prepare(self, item: Any, attempts: Any, token: uuid.UUID) -> Any:
+        ready = await super()._prepare(item, attempts, token)
+        row = item.row
         if row["id"] in self.stolen:
             async with self.db.connection() as conn:
                 await conn.execute(

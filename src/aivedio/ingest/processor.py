@@ -7,19 +7,21 @@ Claim with a lease
     processors run side by side: SKIP LOCKED gives them disjoint rows, and the lease keeps a
     claimed row away from the others while it is worked on (a crashed processor's rows become
     due again when the lease passes).
-One transaction per project of a claim
-    Each row is first prepared on its own, outside any transaction: normalized, mapped to its
-    attempt (and the attempt's project), re-fetched for unsigned providers (no HTTP call ever
-    runs inside a transaction). A row that cannot be applied now is deferred alone. The ready
-    rows of one project are then applied in ONE transaction: lock them again *fenced by the
-    token* (a row whose lease another processor took over is left out, and nothing of it is
-    written), ``StateService.apply_many_in`` in inbox id order (every observation decided as
-    ``apply`` would decide it, against the task as the rows before it left it; one stream-row
-    lock and one commit for the whole group; the state service marks each row processed in the
-    same transaction), record the provider task ids that callbacks taught, commit. If the group
-    fails for any reason but the database being away, it rolls back and its rows are applied one
-    by one, each in its own transaction, so a bad row goes to retry or dead letter alone and the
-    others commit.
+One transaction per claim
+    Each row is first prepared outside any transaction: normalized, mapped to its attempt (and
+    the attempt's project: one statement for the whole claim, ``attempts_for_callbacks``),
+    re-fetched for unsigned providers (no HTTP call ever runs inside a transaction). A row that
+    cannot be applied now is deferred alone. The ready rows are then applied in ONE transaction,
+    whatever their projects: lock them again *fenced by the token* (a row whose lease another
+    processor took over is left out, and nothing of it is written), ``StateService.apply_many_in``
+    in inbox id order (every observation decided as ``apply`` would decide it, against the task
+    as the rows before it left it; tasks locked in task id order, then the stream rows in project
+    id order, the order every writer takes them in, so two processors cannot deadlock; one lock
+    of each stream row and one commit for the whole claim; the state service marks each row
+    processed in the same transaction), record the provider task ids that callbacks taught,
+    commit. If it fails for any reason but the database being away, it rolls back and its rows
+    are applied one by one, each in its own transaction, so a bad row goes to retry or dead
+    letter alone and the others commit.
 Mapping
     To the attempt by the callback token's attempt id (unsigned providers: the only
     authenticated id), else by ``(provider, provider_task_id)``, else by ``(provider,
@@ -42,6 +44,7 @@ Failures
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import re
@@ -134,8 +137,7 @@ class InboxConfig:
     batch_size: int = 64
     """Most rows one claim takes."""
     concurrency: int = 8
-    """Rows of one claim prepared at once, and projects of one claim applied at once (each
-    project's rows in one transaction)."""
+    """Rows of one claim prepared (re-fetched from unsigned providers) at once."""
     lease_s: float = 60.0
     """How long a claimed row stays away from other processors."""
     poll_s: float = 0.5
@@ -169,6 +171,87 @@ class _Attempt:
     client_request_id: str
     provider_task_id: str | None
     project_id: uuid.UUID
+
+
+@dataclass(frozen=True, slots=True)
+class _Normalized:
+    """A claimed row as its adapter read it, not mapped yet."""
+
+    row: asyncpg.Record
+    adapter: ProviderAdapter
+    fields: InboxFields
+    claimed: JobState
+    started: float  # perf_counter at the start of its processing
+
+    @property
+    def task_id(self) -> str | None:
+        return self.claimed.provider_task_id or self.fields.provider_task_id
+
+    @property
+    def request_id(self) -> str | None:
+        return self.claimed.client_request_id or self.fields.client_request_id
+
+
+class _Attempts:
+    """The attempts the rows of one claim may belong to, read with one statement; ``resolve``
+    maps a row: the attempt id a callback token authenticated, else ``(provider,
+    provider_task_id)``, else ``(provider, client_request_id)`` (a callback before the submit
+    response; refused if the attempt already has another provider task id)."""
+
+    def __init__(self, rows: list[asyncpg.Record]) -> None:
+        self.by_id = {r["id"]: r for r in rows}
+        self.by_task = {(r["provider"], r["provider_task_id"]): r for r in rows}
+        self.by_request = {(r["provider"], r["client_request_id"]): r for r in rows}
+
+    @classmethod
+    async def read(cls, db: Database, items: list[_Normalized]) -> _Attempts:
+        ids: list[uuid.UUID] = []
+        tasks: list[tuple[str, str]] = []
+        requests: list[tuple[str, str]] = []
+        for item in items:
+            provider = item.fields.provider
+            if item.fields.attempt_id is not None:
+                with contextlib.suppress(ValueError):  # resolve() refuses it
+                    ids.append(uuid.UUID(item.fields.attempt_id))
+            if item.task_id is not None:
+                tasks.append((provider, item.task_id))
+            if item.request_id is not None:
+                requests.append((provider, item.request_id))
+        async with db.connection() as conn:
+            rows = await conn.fetch(
+                q("attempts_for_callbacks"),
+                ids,
+                [p for p, _ in tasks],
+                [t for _, t in tasks],
+                [p for p, _ in requests],
+                [r for _, r in requests],
+            )
+        return cls(rows)
+
+    def resolve(self, fields: InboxFields, claimed: JobState) -> _Attempt:
+        provider = fields.provider
+        task_id = claimed.provider_task_id or fields.provider_task_id
+        request_id = claimed.client_request_id or fields.client_request_id
+        found = None
+        if fields.attempt_id is not None:
+            try:
+                attempt_id = uuid.UUID(fields.attempt_id)
+            except ValueError:
+                raise _Defer("parse", "bad_attempt_id") from None
+            found = self.by_id.get(attempt_id)
+            if found is None or found["provider"] != provider:
+                raise _Defer("orphan", "unknown_attempt")
+        if found is None and task_id is not None:
+            found = self.by_task.get((provider, task_id))
+        if found is None and request_id is not None:
+            found = self.by_request.get((provider, request_id))
+            if found is not None and found["provider_task_id"] not in (None, task_id):
+                raise _Defer("orphan", "task_id_mismatch")
+        if found is None:
+            raise _Defer("orphan", "unmapped")
+        return _Attempt(
+            found["id"], found["client_request_id"], found["provider_task_id"], found["project_id"]
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,40 +364,86 @@ class InboxProcessor:
             )
         if not rows:
             return 0
+        await self._process_rows(rows, token)
+        return len(rows)
+
+    async def _process_rows(self, rows: list[asyncpg.Record], token: uuid.UUID) -> None:
+        """Normalize every row, map them all with one query, re-fetch where needed, then apply
+        the ready ones in one transaction."""
+        normalized = [n for n in [await self._normalize(row, token) for row in rows] if n]
+        if not normalized:
+            return
+        try:
+            attempts = await _Attempts.read(self.db, normalized)
+        except DatabaseUnavailable:
+            # The leases run out and the rows are claimed again: nothing was committed.
+            log(logger, logging.WARNING, "inbox rows left for later", rows=len(normalized))
+            return
         limit = asyncio.Semaphore(self.config.concurrency)
 
-        async def prepare(row: asyncpg.Record) -> _Ready | None:
+        async def prepare(item: _Normalized) -> _Ready | None:
             async with limit:
-                return await self._prepare(row, token)
+                return await self._prepare(item, attempts, token)
 
-        prepared = await asyncio.gather(*(prepare(row) for row in rows))
-        groups: dict[uuid.UUID, list[_Ready]] = {}
-        for ready in prepared:
-            if ready is not None:
-                groups.setdefault(ready.attempt.project_id, []).append(ready)
-
-        async def apply(group: list[_Ready]) -> None:
-            async with limit:
-                await self._apply_group(group, token)
-
-        await asyncio.gather(*(apply(group) for group in groups.values()))
-        return len(rows)
+        prepared = await asyncio.gather(*(prepare(item) for item in normalized))
+        ready = [r for r in prepared if r is not None]
+        if ready:
+            await self._apply_group(ready, token)
 
     # -- one row ---------------------------------------------------------------------------
 
     async def _process(self, row: asyncpg.Record, token: uuid.UUID) -> None:
         """One row on its own: prepare it, then apply it in a transaction of its own."""
-        ready = await self._prepare(row, token)
+        item = await self._normalize(row, token)
+        if item is None:
+            return
+        try:
+            attempts = await _Attempts.read(self.db, [item])
+        except DatabaseUnavailable:
+            log(logger, logging.WARNING, "inbox row left for later", inbox_id=row["id"])
+            return
+        ready = await self._prepare(item, attempts, token)
         if ready is not None:
             await self._apply_one(ready, token)
 
-    async def _prepare(self, row: asyncpg.Record, token: uuid.UUID) -> _Ready | None:
-        """Normalize, map and (for unsigned providers) re-fetch one row; None when the row was
-        deferred (orphan / retry / dead) or left for later instead."""
+    async def _normalize(self, row: asyncpg.Record, token: uuid.UUID) -> _Normalized | None:
+        """The adapter's reading of a stored callback; None when the row was deferred."""
         started = time.perf_counter()
+        provider = row["provider"]
+        adapter = self.adapters.get(provider)
         trace = trace_id_var.set(row["trace_id"])
         try:
-            return await self._ready(row, started)
+            if adapter is None:
+                raise _Defer("parse", "unknown_provider")
+            fields = _fields(row)
+            payload = row["payload"]
+            if not isinstance(payload, Mapping):
+                raise _Defer("parse", "no_payload")
+            try:
+                claimed = adapter.normalize(payload, fields)
+            except PayloadError as exc:
+                sample = exc.sample or sample_of(payload)
+                raise _Defer("parse", f"payload_{exc.code}", sample) from None
+            return _Normalized(row, adapter, fields, claimed, started)
+        except _Defer as defer:
+            await self._defer(row, token, defer)
+        except Exception as exc:  # a bug: retry, then dead letter
+            self._failed(row, exc)
+            await self._defer(row, token, _Defer("parse", "internal_error"))
+        finally:
+            trace_id_var.reset(trace)
+        PROCESS_SECONDS.observe(time.perf_counter() - started)
+        return None
+
+    async def _prepare(
+        self, item: _Normalized, attempts: _Attempts, token: uuid.UUID
+    ) -> _Ready | None:
+        """Map one normalized row and (for unsigned providers) re-fetch its job; None when the
+        row was deferred (orphan / retry / dead) or left for later instead."""
+        row = item.row
+        trace = trace_id_var.set(row["trace_id"])
+        try:
+            return await self._ready(item, attempts)
         except _Defer as defer:
             await self._defer(row, token, defer)
         except DatabaseUnavailable:
@@ -325,23 +454,12 @@ class InboxProcessor:
             await self._defer(row, token, _Defer("parse", "internal_error"))
         finally:
             trace_id_var.reset(trace)
-        PROCESS_SECONDS.observe(time.perf_counter() - started)
+        PROCESS_SECONDS.observe(time.perf_counter() - item.started)
         return None
 
-    async def _ready(self, row: asyncpg.Record, started: float) -> _Ready:
-        provider = row["provider"]
-        adapter = self.adapters.get(provider)
-        if adapter is None:
-            raise _Defer("parse", "unknown_provider")
-        fields = _fields(row)
-        payload = row["payload"]
-        if not isinstance(payload, Mapping):
-            raise _Defer("parse", "no_payload")
-        try:
-            claimed = adapter.normalize(payload, fields)
-        except PayloadError as exc:
-            raise _Defer("parse", f"payload_{exc.code}", exc.sample or sample_of(payload)) from None
-        attempt = await self._map(row, fields, claimed)
+    async def _ready(self, item: _Normalized, attempts: _Attempts) -> _Ready:
+        row, adapter, fields, claimed = item.row, item.adapter, item.fields, item.claimed
+        attempt = attempts.resolve(fields, claimed)
         state = claimed
         if adapter.needs_refetch_on_callback or not fields.payload_authenticated:
             state = await self._refetch(adapter, attempt, claimed)
@@ -355,33 +473,7 @@ class InboxProcessor:
             inbox_id=row["id"],
             trace_id=row["trace_id"],
         )
-        return _Ready(row, adapter, attempt, state, obs, started)
-
-    async def _map(self, row: asyncpg.Record, fields: InboxFields, claimed: JobState) -> _Attempt:
-        provider = fields.provider
-        task_id = claimed.provider_task_id or fields.provider_task_id
-        request_id = claimed.client_request_id or fields.client_request_id
-        async with self.db.connection() as conn:
-            found = None
-            if fields.attempt_id is not None:
-                try:
-                    attempt_id = uuid.UUID(fields.attempt_id)
-                except ValueError:
-                    raise _Defer("parse", "bad_attempt_id") from None
-                found = await conn.fetchrow(q("attempt_by_id"), attempt_id, provider)
-                if found is None:
-                    raise _Defer("orphan", "unknown_attempt")
-            if found is None and task_id is not None:
-                found = await conn.fetchrow(q("attempt_by_provider_task"), provider, task_id)
-            if found is None and request_id is not None:
-                found = await conn.fetchrow(q("attempt_by_client_request"), provider, request_id)
-                if found is not None and found["provider_task_id"] not in (None, task_id):
-                    raise _Defer("orphan", "task_id_mismatch")
-        if found is None:
-            raise _Defer("orphan", "unmapped")
-        return _Attempt(
-            found["id"], found["client_request_id"], found["provider_task_id"], found["project_id"]
-        )
+        return _Ready(row, adapter, attempt, state, obs, item.started)
 
     async def _refetch(
         self, adapter: ProviderAdapter, attempt: _Attempt, claimed: JobState
@@ -425,7 +517,7 @@ class InboxProcessor:
     # -- applying ------------------------------------------------------------------------------
 
     async def _apply_group(self, group: list[_Ready], token: uuid.UUID) -> None:
-        """One project's prepared rows in one transaction, in inbox id order; see the module doc.
+        """A claim's prepared rows in one transaction, in inbox id order; see the module doc.
         A group of one is the one-row path."""
         if len(group) == 1:
             await self._apply_one(group[0], token)

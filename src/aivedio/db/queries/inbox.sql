@@ -65,22 +65,24 @@ SET retry_count = retry_count + 1,
 WHERE id = $1 AND lease_token = $2 AND process_status IN ('pending', 'retry', 'orphan')
 RETURNING process_status, retry_count
 
--- name: attempt_by_id
--- The attempt a callback belongs to, with its task's project (the processor applies one
--- project's rows of a claim in one transaction).
+-- name: attempts_for_callbacks
+-- Every attempt the rows of one claim may belong to, in one statement (one round trip per claim,
+-- not per row): by attempt id ($1), by (provider, provider task id) ($2, $3), by (provider,
+-- client request id) ($4, $5), each by its unique index, with the task's project. The processor
+-- resolves each row from these: attempt id first, then provider task id, then client request id.
 SELECT a.id, a.provider, a.client_request_id, a.provider_task_id, t.project_id
 FROM task_attempts a JOIN generation_tasks t ON t.id = a.task_id
-WHERE a.id = $1 AND a.provider = $2
-
--- name: attempt_by_provider_task
+WHERE a.id = ANY($1::uuid[])
+UNION
 SELECT a.id, a.provider, a.client_request_id, a.provider_task_id, t.project_id
-FROM task_attempts a JOIN generation_tasks t ON t.id = a.task_id
-WHERE a.provider = $1 AND a.provider_task_id = $2
-
--- name: attempt_by_client_request
+FROM unnest($2::text[], $3::text[]) AS k (provider, provider_task_id)
+JOIN task_attempts a ON a.provider = k.provider AND a.provider_task_id = k.provider_task_id
+JOIN generation_tasks t ON t.id = a.task_id
+UNION
 SELECT a.id, a.provider, a.client_request_id, a.provider_task_id, t.project_id
-FROM task_attempts a JOIN generation_tasks t ON t.id = a.task_id
-WHERE a.provider = $1 AND a.client_request_id = $2
+FROM unnest($4::text[], $5::text[]) AS k (provider, client_request_id)
+JOIN task_attempts a ON a.provider = k.provider AND a.client_request_id = k.client_request_id
+JOIN generation_tasks t ON t.id = a.task_id
 
 -- name: attempt_record_provider_task_ids
 -- attempt_record_provider_task_id for a batch: $1 attempt ids, $2 provider task ids.
