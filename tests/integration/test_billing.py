@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from aivedio.billing import BillingConfig, BillingConsumer, PriceTable, tenant_balance
 from aivedio.billing.ledger import LedgerType, closing_for, entry_for
@@ -190,6 +191,40 @@ async def test_ready_without_a_seen_reservation_reserves_and_settles(db: Databas
     ready = next(e for e in events if e is not None and e.status == "ready")
     await BillingConsumer(db, CONFIG).handle(ready)
     assert kinds(await ledger(db, task_id)) == [("reserve", 250), ("settle", 250)]
+
+
+async def test_progress_events_after_the_reservation_take_no_transaction(db: Database) -> None:
+    state = StateService(db)
+    project = await make_project(db)
+    task_id, attempt = await make_task(store(db, state), project)
+    await apply_all(
+        state,
+        [platform(PlatformKind.SUBMIT_ACCEPTED, attempt)]
+        + [
+            prov(attempt, ProviderStatus.RUNNING, progress=10 * n, provider_sequence=n)
+            for n in range(1, 5)
+        ],
+    )
+    bus = MemoryBus(contract_config(), MemoryBroker())
+    await publish_outbox(db, bus)
+    group = await bus.subscribe("task.status", "billing")
+    events = [parse_status_event(d.data) for d in await group.fetch(20, 0.5)]
+    reserving = [e for e in events if e is not None and e.status in ("submitted", "running")]
+    assert len(reserving) >= 4
+    consumer = BillingConsumer(db, CONFIG)
+
+    def skipped() -> float:
+        value = REGISTRY.get_sample_value("aivedio_billing_events_total", {"result": "skipped"})
+        return value or 0.0
+
+    before = skipped()
+    for event in reserving:
+        await consumer.handle(event)
+    assert skipped() - before == len(reserving) - 1  # only the first one asked the database
+    assert kinds(await ledger(db, task_id)) == [("reserve", 250)]
+    # a new consumer (a restart) knows nothing: it asks once, and writes nothing twice
+    await BillingConsumer(db, CONFIG).handle(reserving[-1])
+    assert kinds(await ledger(db, task_id)) == [("reserve", 250)]
 
 
 async def test_poison_message_is_dead_lettered_and_the_rest_go_on(

@@ -35,3 +35,4 @@ class BillingConfig:
     prices: PriceTable = field(default_factory=PriceTable)
     group: str = "billing"
     consumer: ConsumerSettings = field(default_factory=ConsumerSettings)
+    remember_attempts: int = 100_000  # reserved attempts kept in memory (about 100 bytes each)

@@ -80,16 +80,25 @@ class Written:
     amount: int
 
 
-async def record(conn: asyncpg.Connection, event: StatusEvent, prices: PriceTable) -> list[Written]:
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    written: list[Written]
+    reserved: bool
+    """The attempt's reservation exists now (written here or before): a later reserve-class
+    event of the attempt can write nothing (``BillingConsumer`` skips it without a query)."""
+
+
+async def record(conn: asyncpg.Connection, event: StatusEvent, prices: PriceTable) -> Recorded:
     """Write what ``event`` asks for inside the caller's transaction; return the new rows."""
     wanted = entry_for(event.status)
     if wanted is None or event.attempt_id is None:
-        return []
+        return Recorded([], False)
     attempt = await conn.fetchrow(q("billing_attempt"), event.attempt_id, event.task_id)
     if attempt is None:
-        return []
+        return Recorded([], False)
     written: list[Written] = []
-    if wanted in (LedgerType.RESERVE, LedgerType.SETTLE):
+    reserves = wanted in (LedgerType.RESERVE, LedgerType.SETTLE)
+    if reserves:
         amount = prices.price(attempt["provider"], attempt["model"])
         row = await conn.fetchrow(
             q("insert_reserve"),
@@ -119,7 +128,7 @@ async def record(conn: asyncpg.Connection, event: StatusEvent, prices: PriceTabl
         )
         if row is not None:
             written.append(Written(wanted, row["amount"]))
-    return written
+    return Recorded(written, reserved=reserves)
 
 
 @dataclass(frozen=True, slots=True)
