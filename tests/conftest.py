@@ -9,6 +9,7 @@ for ``database_url`` gets a fresh database cloned from it (procrastinate's habit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -28,6 +29,38 @@ ROOT = Path(__file__).resolve().parent.parent
 def with_database(url: str, name: str) -> str:
     parts = urlsplit(url)
     return urlunsplit((parts.scheme, parts.netloc, "/" + name, parts.query, parts.fragment))
+
+
+# Every aivedio process a test starts (demo, run, cluster, browser tests) uses a JetStream stream
+# and subject prefix of this session: sessions of other checkouts on the same NATS server must not
+# share durable consumer groups with ours (a `media` group shared with another session's demo took
+# our events to a process with another database).
+SESSION_BUS = f"T{os.getpid()}_{uuid.uuid4().hex[:6]}"
+os.environ.setdefault("AIVEDIO_BUS_STREAM", f"AIVEDIO_{SESSION_BUS}")
+os.environ.setdefault("AIVEDIO_BUS_SUBJECT_PREFIX", f"aivedio-{SESSION_BUS.lower()}")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_bus_streams(service_urls: dict[str, str]) -> Iterator[None]:
+    """Delete this session's streams from the NATS server at the end."""
+    yield
+    import nats
+
+    async def delete() -> None:
+        nc = await nats.connect(servers=[service_urls["nats_url"]], connect_timeout=2)
+        try:
+            js = nc.jetstream()
+            for name in (
+                os.environ["AIVEDIO_BUS_STREAM"],
+                os.environ["AIVEDIO_BUS_STREAM"] + "_DLQ",
+            ):
+                with contextlib.suppress(nats.js.errors.NotFoundError):
+                    await js.delete_stream(name)
+        finally:
+            await nc.close()
+
+    with contextlib.suppress(OSError, nats.errors.Error):  # the server is gone: nothing to clean
+        asyncio.run(delete())
 
 
 @pytest.fixture(scope="session")

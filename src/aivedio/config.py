@@ -124,6 +124,10 @@ class Settings(BaseSettings):
     # The bus: a NATS URL may list several servers, comma-separated (a NATS cluster); streams
     # are created with this many replicas (3 on a three-node JetStream cluster).
     bus_replicas: int = Field(default=1, ge=1, le=5)
+    # The JetStream stream and the subject prefix (deployments sharing one NATS keep apart by
+    # these; the tests give each session its own).
+    bus_stream: str = Field(default="AIVEDIO", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    bus_subject_prefix: str = Field(default="aivedio", pattern=r"^[a-z0-9_-]{1,64}$")
     poll_limits: str = ""
     poll_replicas: int = 1
     poll_concurrency: int = 64
@@ -228,7 +232,12 @@ class Settings(BaseSettings):
     def bus(self, nats_url: str) -> BusConfig:
         from aivedio.bus.port import BusConfig
 
-        return BusConfig(url=nats_url, replicas=self.bus_replicas)
+        return BusConfig(
+            url=nats_url,
+            replicas=self.bus_replicas,
+            stream=self.bus_stream,
+            subject_prefix=self.bus_subject_prefix,
+        )
 
     @property
     def services(self) -> ServicesConfig:

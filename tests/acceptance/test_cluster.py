@@ -172,7 +172,7 @@ def stream_replicas(url: str) -> int:
     async def replicas() -> int:
         nc = await nats.connect(servers=url.split(","))
         try:
-            info = await nc.jetstream().stream_info("AIVEDIO")
+            info = await nc.jetstream().stream_info(os.environ.get("AIVEDIO_BUS_STREAM", "AIVEDIO"))
             return int(info.config.num_replicas or 0)
         finally:
             await nc.close()
