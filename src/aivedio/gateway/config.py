@@ -21,6 +21,10 @@ class GatewayConfig:
     tailcheck_s: float = 5.0  # stream heads compared at this interval (and after a reconnect)
     tailcheck_grace_s: float = 0.5  # a head seen ahead is repaired if still ahead after this
     replay_cap: int = 1000  # a resume needing more events than this gets `reset`
+    # A live seq ahead of the next one is held this long for the missing ones to arrive live
+    # (relays and dispatchers in several processes reorder a project's events by a few ms)
+    # before they are read from PostgreSQL; 0 reads at once.
+    reorder_wait_s: float = 0.02
     replay_page: int = 500
     queue_max_events: int = 256  # per connection, while its socket is not writable
     queue_max_bytes: int = 256 * 1024
