@@ -12,112 +12,52 @@ import contextlib
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-from starlette.routing import BaseRoute
 
 from aivedio.api.app import create_app
+from aivedio.api.sessions import session_routes
+from aivedio.billing.role import billing_role
 from aivedio.config import Settings
+from aivedio.gateway import Gateway, stream_token_routes
+from aivedio.gateway.routing import node_dispatcher_role
 from aivedio.gateway.server import serve_http
+from aivedio.ingest.processor import inbox_role
+from aivedio.ingest.role import callbacks_role
 from aivedio.logs import log, setup_logging
+from aivedio.media.role import media_role, playback_routes_for
+from aivedio.polling.role import poller_role
+from aivedio.process.parts import Loop, RoleFactory, RoleParts
+from aivedio.propagation.roles import dispatcher_role, relay_role
+from aivedio.providers.base import ProviderAdapter
+from aivedio.providers.registry import build_providers, providers_config
 from aivedio.runtime import Runtime, resolve_urls
+from aivedio.submission.role import reconciler_loops, submitter_loops
+from aivedio.web import web_routes
 
-if TYPE_CHECKING:
-    from aivedio.gateway import Gateway
-    from aivedio.providers.base import ProviderAdapter
+__all__ = ["AVAILABLE", "expand", "run_roles", "serve"]
 
 logger = logging.getLogger("aivedio.roles")
 
-Loop = Callable[[asyncio.Event], Awaitable[None]]
-
-
-@dataclass
-class RoleParts:
-    """What a role adds to the process: HTTP routes and background loops."""
-
-    routes: list[BaseRoute] = field(default_factory=list)
-    loops: list[Loop] = field(default_factory=list)
-    http: bool = False
-    on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
-    """Run after the HTTP server and every loop have stopped (drain, close clients)."""
-    gateway: Gateway | None = None
-    """The SSE gateway, served on the shared port by ``serve_http``."""
-
-
-RoleFactory = Callable[[Runtime], Awaitable[RoleParts]]
-
 
 async def _api(rt: Runtime) -> RoleParts:
-    from aivedio.api.sessions import session_routes
-    from aivedio.gateway import stream_token_routes
-    from aivedio.media.role import playback_routes_for
-
     secret = rt.settings.derived_secret("stream-tokens")
     routes = stream_token_routes(rt.db, secret, rt.settings.stream_token_ttl_s)
     routes += session_routes(rt.db, rt.settings.public_url, rt.settings.session_ttl_s)
-    from aivedio.web import web_routes
-
     return RoleParts(routes=[*routes, *playback_routes_for(rt), *web_routes()], http=True)
 
 
 async def _gateway(rt: Runtime) -> RoleParts:
-    from aivedio.gateway import Gateway
-
     return RoleParts(http=True, gateway=Gateway(rt.db, rt.settings.gateway(rt.urls.redis_url)))
 
 
-async def _callbacks(rt: Runtime) -> RoleParts:
-    from aivedio.ingest.role import callbacks_role
-
-    return await callbacks_role(rt)
-
-
-async def _inbox(rt: Runtime) -> RoleParts:
-    from aivedio.ingest.processor import inbox_role
-
-    return await inbox_role(rt)
-
-
-async def _media(rt: Runtime) -> RoleParts:
-    from aivedio.media.role import media_role
-
-    return await media_role(rt)
-
-
-async def _billing(rt: Runtime) -> RoleParts:
-    from aivedio.billing.role import billing_role
-
-    return await billing_role(rt)
-
-
-async def _relay(rt: Runtime) -> RoleParts:
-    from aivedio.propagation.roles import relay_role
-
-    return await relay_role(rt)
-
-
 async def _dispatcher(rt: Runtime) -> RoleParts:
-    from aivedio.propagation.roles import dispatcher_role
-
     if rt.settings.fanout == "node":  # AIVEDIO_FANOUT=node: publish to interested nodes only
-        from aivedio.gateway.routing import node_dispatcher_role
-
         return await node_dispatcher_role(rt)
     return await dispatcher_role(rt)
-
-
-async def _poller(rt: Runtime) -> RoleParts:
-    from aivedio.polling.role import poller_role
-
-    return await poller_role(rt)
 
 
 async def _with_adapters(
     rt: Runtime, loops_for: Callable[[dict[str, ProviderAdapter]], list[Loop]]
 ) -> RoleParts:
-    from aivedio.providers.registry import build_providers, providers_config
-
     adapters = build_providers(providers_config(rt.settings))
 
     async def close() -> None:
@@ -128,14 +68,10 @@ async def _with_adapters(
 
 
 async def _submitter(rt: Runtime) -> RoleParts:
-    from aivedio.submission.role import submitter_loops
-
     return await _with_adapters(rt, lambda a: submitter_loops(rt.db, rt.state, a))
 
 
 async def _reconciler(rt: Runtime) -> RoleParts:
-    from aivedio.submission.role import reconciler_loops
-
     return await _with_adapters(rt, lambda a: reconciler_loops(rt.db, rt.state, a))
 
 
@@ -143,15 +79,15 @@ async def _reconciler(rt: Runtime) -> RoleParts:
 # as they are built.
 AVAILABLE: dict[str, RoleFactory] = {
     "api": _api,
-    "callbacks": _callbacks,
-    "inbox": _inbox,
+    "callbacks": callbacks_role,
+    "inbox": inbox_role,
     "gateway": _gateway,
     "submitter": _submitter,
-    "poller": _poller,
-    "relay": _relay,
+    "poller": poller_role,
+    "relay": relay_role,
     "dispatcher": _dispatcher,
-    "media": _media,
-    "billing": _billing,
+    "media": media_role,
+    "billing": billing_role,
     "reconciler": _reconciler,
 }
 

@@ -3,23 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from aivedio.billing.config import BillingConfig
 from aivedio.billing.consumer import BillingConsumer
 from aivedio.bus.jetstream import JetStreamBus
 from aivedio.bus.port import BusConfig
-
-if TYPE_CHECKING:
-    from aivedio.roles import RoleParts
-    from aivedio.runtime import Runtime
+from aivedio.process.parts import RoleParts
+from aivedio.runtime import Runtime
 
 
 async def billing_role(
     rt: Runtime, config: BillingConfig | None = None, bus_config: BusConfig | None = None
 ) -> RoleParts:
-    from aivedio.roles import RoleParts  # the runner imports this module: no import cycle
-
     consumer = BillingConsumer(rt.db, config or BillingConfig())
 
     async def consume(stopping: asyncio.Event) -> None:

@@ -50,7 +50,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import asyncpg
 from prometheus_client import Counter, Histogram
@@ -61,6 +61,7 @@ from aivedio.db.wakeup import IdleListener, wait_any
 from aivedio.domain.observation import ProviderObservation, Source
 from aivedio.errors import DatabaseUnavailable
 from aivedio.logs import log, trace_id_var
+from aivedio.process.parts import RoleParts
 from aivedio.providers.base import (
     InboxFields,
     JobState,
@@ -72,11 +73,8 @@ from aivedio.providers.base import (
     RateLimited,
     sample_of,
 )
+from aivedio.runtime import Runtime
 from aivedio.state.service import ApplyResult, StateService
-
-if TYPE_CHECKING:
-    from aivedio.roles import RoleParts
-    from aivedio.runtime import Runtime
 
 __all__ = [
     "InboxConfig",
@@ -627,7 +625,6 @@ async def replay(db: Database, inbox_id: int) -> bool:
 async def inbox_role(rt: Runtime) -> RoleParts:
     """``aivedio run --role inbox``: one processor loop over the configured adapters."""
     from aivedio.providers.registry import build_providers, providers_config
-    from aivedio.roles import RoleParts
 
     adapters = build_providers(providers_config(rt.settings))
     processor = InboxProcessor(rt.db, rt.state, adapters, on_applied=rt.wakeups.outbox.fire)

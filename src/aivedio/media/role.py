@@ -8,7 +8,6 @@ the sandbox locator at ``settings.sandbox_url`` with ``settings.sandbox_api_key`
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 import httpx
 from starlette.routing import BaseRoute
@@ -20,18 +19,14 @@ from aivedio.media.consumer import MediaConsumer
 from aivedio.media.playback import PlaybackConfig, playback_routes
 from aivedio.media.sandbox_locator import SandboxLocatorConfig, SandboxOutputLocator
 from aivedio.media.worker import MediaWorker
+from aivedio.process.parts import RoleParts
+from aivedio.runtime import Runtime
 from aivedio.storage.filesystem import FileSystemObjectStore, FileSystemStoreConfig
-
-if TYPE_CHECKING:
-    from aivedio.roles import RoleParts
-    from aivedio.runtime import Runtime
 
 
 async def media_role(
     rt: Runtime, config: MediaConfig | None = None, bus_config: BusConfig | None = None
 ) -> RoleParts:
-    from aivedio.roles import RoleParts  # the runner imports this module: no import cycle
-
     config = config or MediaConfig()
     settings = rt.settings
     store = media_store(rt)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from aivedio.bus import Bus, BusConfig, BusUnavailable
 from aivedio.logs import log
+from aivedio.process.parts import RoleParts
 from aivedio.propagation.dispatcher import (
     DispatcherConfig,
     NotificationDispatcher,
@@ -22,12 +23,11 @@ from aivedio.propagation.dispatcher import (
     redis_client,
 )
 from aivedio.propagation.relay import OutboxRelay, RelayConfig
+from aivedio.runtime import Runtime
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
-    from aivedio.roles import RoleParts
-    from aivedio.runtime import Runtime
 
 __all__ = ["connect_bus", "dispatcher_role", "relay_role"]
 
@@ -59,8 +59,6 @@ async def relay_role(
     replicas: int = 1,
 ) -> RoleParts:
     """``replicas`` relay loops in this process (each one claims its own batches)."""
-    from aivedio.roles import RoleParts
-
     bus_cfg = bus_config or rt.settings.bus(rt.urls.nats_url)
 
     async def loop(stopping: asyncio.Event) -> None:
@@ -94,8 +92,6 @@ async def dispatcher_role(
     router: RouterFactory | None = None,
 ) -> RoleParts:
     """The ``dispatcher`` role: broadcast fan-out, or the routes ``router`` makes (node mode)."""
-    from aivedio.roles import RoleParts
-
     bus_cfg = bus_config or rt.settings.bus(rt.urls.nats_url)
     cfg = config or DispatcherConfig(max_deliver=bus_cfg.max_deliver)
 

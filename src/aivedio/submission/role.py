@@ -1,15 +1,12 @@
-"""The loops the lead wires into roles (``aivedio run --role submitter|reconciler``).
-
-Kept free of ``aivedio.roles`` (which imports every role module) to avoid an import cycle: the
-role factories wrap these lists in ``RoleParts(loops=...)``.
-"""
+"""The loops of the ``submitter`` and ``reconciler`` roles (``aivedio run --role ...``); the role
+factories in ``aivedio.roles`` wrap these lists in ``RoleParts(loops=...)``."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 
 from aivedio.db.pool import Database
+from aivedio.process.parts import Loop
 from aivedio.providers.base import ProviderAdapter
 from aivedio.reconcile.config import ReconcilerConfig
 from aivedio.reconcile.reconciler import Reconciler
@@ -17,8 +14,6 @@ from aivedio.state.service import StateService
 from aivedio.submission.cancel import CancelWorker
 from aivedio.submission.config import CancelConfig, SubmitterConfig
 from aivedio.submission.submitter import Submitter
-
-Loop = Callable[[asyncio.Event], Awaitable[None]]
 
 
 def submitter_loops(
