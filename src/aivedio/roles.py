@@ -1,8 +1,9 @@
 """``aivedio run --role ...``: run roles in one process.
 
 HTTP roles (api, callbacks, gateway) contribute routes to one Starlette app on one port;
-background roles contribute loops that run until the process is told to stop. Every role can
-run in any number of processes at once: none keeps state that another replica needs.
+background roles contribute named loops that run, each under a supervisor that restarts it when
+it fails, until the process is told to stop. Every role can run in any number of processes at
+once: none keeps state that another replica needs.
 """
 
 from __future__ import annotations
@@ -10,13 +11,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import signal
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+from starlette.applications import Starlette
 
 from aivedio.api.app import create_app
 from aivedio.api.sessions import session_routes
 from aivedio.billing.role import billing_role
 from aivedio.config import Settings
+from aivedio.errors import ConfigError, DatabaseUnavailable
 from aivedio.gateway import Gateway, stream_token_routes
 from aivedio.gateway.routing import node_dispatcher_role
 from aivedio.gateway.server import serve_http
@@ -25,15 +31,18 @@ from aivedio.ingest.role import callbacks_role
 from aivedio.logs import log, setup_logging
 from aivedio.media.role import media_role, playback_routes_for
 from aivedio.polling.role import poller_role
-from aivedio.process.parts import Loop, RoleFactory, RoleParts
+from aivedio.process.parts import RoleFactory, RoleLoop, RoleParts
+from aivedio.process.restart import RestartPolicy, restart_delay
+from aivedio.process.supervisor import supervise
 from aivedio.propagation.roles import dispatcher_role, relay_role
 from aivedio.providers.base import ProviderAdapter
 from aivedio.providers.registry import build_providers, providers_config
 from aivedio.runtime import Runtime, resolve_urls
+from aivedio.services.embedded import ServiceUrls
 from aivedio.submission.role import reconciler_loops, submitter_loops
 from aivedio.web import web_routes
 
-__all__ = ["AVAILABLE", "expand", "run_roles", "serve"]
+__all__ = ["AVAILABLE", "expand", "open_runtime", "run_roles", "serve", "stop_on_signals"]
 
 logger = logging.getLogger("aivedio.roles")
 
@@ -46,7 +55,8 @@ async def _api(rt: Runtime) -> RoleParts:
 
 
 async def _gateway(rt: Runtime) -> RoleParts:
-    return RoleParts(http=True, gateway=Gateway(rt.db, rt.settings.gateway(rt.urls.redis_url)))
+    gateway = Gateway(rt.db, rt.settings.gateway(rt.urls.redis_url), health=rt.health)
+    return RoleParts(http=True, gateway=gateway)
 
 
 async def _dispatcher(rt: Runtime) -> RoleParts:
@@ -56,7 +66,7 @@ async def _dispatcher(rt: Runtime) -> RoleParts:
 
 
 async def _with_adapters(
-    rt: Runtime, loops_for: Callable[[dict[str, ProviderAdapter]], list[Loop]]
+    rt: Runtime, loops_for: Callable[[dict[str, ProviderAdapter]], list[RoleLoop]]
 ) -> RoleParts:
     adapters = build_providers(providers_config(rt.settings))
 
@@ -113,61 +123,138 @@ async def run_roles(settings: Settings, roles: Sequence[str], port: int | None =
         return 2
     port = port or settings.port
     settings = settings.listening_on(port)
-    rt = await Runtime.open(settings, resolve_urls(settings))
+    stopping = stop_on_signals()
+    rt = await open_runtime(settings, resolve_urls(settings), stopping)
+    if rt is None:  # a signal while waiting for the database
+        return 0
     try:
-        return await serve(rt, wanted, port)
+        return await serve(rt, wanted, port, stopping)
     finally:
         await rt.close()
 
 
-async def serve(rt: Runtime, roles: Sequence[str], port: int) -> int:
-    parts = [await AVAILABLE[name](rt) for name in roles]
+def stop_on_signals() -> asyncio.Event:
+    """An event that SIGINT and SIGTERM set (the only way, besides a configuration error, that
+    a process running roles ends)."""
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stopping.set)
-    failed: list[BaseException] = []
+    return stopping
 
-    def watch(job: asyncio.Task[object]) -> None:
-        # A role that ends by itself (crash, or a server that could not bind) stops the process:
-        # a half-running process would look healthy while doing nothing.
+
+async def open_runtime(
+    settings: Settings,
+    urls: ServiceUrls,
+    stopping: asyncio.Event,
+    policy: RestartPolicy | None = None,
+) -> Runtime | None:
+    """``Runtime.open``, retried with backoff while PostgreSQL is away: a process started during
+    a database outage waits for it instead of exiting. ``None`` if ``stopping`` came first."""
+    policy = policy or RestartPolicy(cap_s=10.0)
+    failures = 0
+    while not stopping.is_set():
+        try:
+            return await Runtime.open(settings, urls)
+        except DatabaseUnavailable as exc:
+            failures += 1
+            delay = restart_delay(failures, policy, random.random())
+            log(
+                logger,
+                logging.WARNING,
+                "database unavailable at start; waiting for it",
+                error=str(exc),
+                retry_in_s=round(delay, 3),
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stopping.wait(), delay)
+    return None
+
+
+async def serve(
+    rt: Runtime,
+    roles: Sequence[str],
+    port: int,
+    stopping: asyncio.Event | None = None,
+    policy: RestartPolicy | None = None,
+) -> int:
+    """Run the roles until ``stopping`` is set (by SIGINT / SIGTERM when not given).
+
+    Every loop runs under :func:`~aivedio.process.supervisor.supervise`: a loop that fails is
+    restarted with backoff and reported on ``/readyz``; it never stops the process. What does:
+    a signal (exit code 0), a :class:`ConfigError` from a loop or an HTTP port that cannot be
+    bound (raised after the other roles stopped; the CLI exits with 2), or the HTTP server
+    ending by itself (1). ``policy``: the restart backoff of every loop.
+    """
+    parts = {name: await AVAILABLE[name](rt) for name in roles}
+    if stopping is None:
+        stopping = stop_on_signals()
+    fatal: list[BaseException] = []
+
+    def watch(job: asyncio.Task[None]) -> None:
+        # Supervised loops end only when the process stops; anything else ending is fatal.
+        error = None if job.cancelled() else job.exception()
+        if stopping.is_set() and error is None:
+            return
+        if error is None:
+            error = RuntimeError(f"{job.get_name()} ended")
         if not stopping.is_set():
-            if not job.cancelled() and job.exception() is not None:
-                failed.append(job.exception())  # type: ignore[arg-type]
-                log(logger, logging.ERROR, "role stopped", error=repr(job.exception()))
-            else:
-                failed.append(RuntimeError("a role ended"))
+            log(
+                logger, logging.ERROR, "stopping the process", job=job.get_name(), error=repr(error)
+            )
+            fatal.append(error)
             stopping.set()
+        else:
+            log(
+                logger,
+                logging.WARNING,
+                "error while stopping",
+                job=job.get_name(),
+                error=repr(error),
+            )
 
-    jobs: list[asyncio.Task[object]] = []
+    jobs: list[asyncio.Task[None]] = []
 
-    def start(coro: Awaitable[object]) -> None:
-        job = asyncio.ensure_future(coro)
+    def start(name: str, coro: Coroutine[Any, Any, None]) -> None:
+        job = asyncio.create_task(coro, name=name)
         job.add_done_callback(watch)
         jobs.append(job)
 
-    for p in parts:
-        for fn in p.loops:
-            start(fn(stopping))
-    http = any(p.http for p in parts)
+    for role, p in parts.items():
+        for named in p.loops:
+            unit = rt.health.unit(role, named.name)
+            start(f"{role}/{named.name}", supervise(unit, named.run, stopping, policy))
+    http = any(p.http for p in parts.values())
     if http:
-        routes = [r for p in parts for r in p.routes]
-        app = create_app(rt.db, rt.tasks, rt.settings.api, extra_routes=routes)
-        gateway = next((p.gateway for p in parts if p.gateway is not None), None)
-        start(
-            serve_http(
-                app, rt.settings.host, port, gateway, stopping, reuse_port=rt.settings.reuse_port
-            )
-        )
+        routes = [r for p in parts.values() for r in p.routes]
+        app = create_app(rt.db, rt.tasks, rt.settings.api, extra_routes=routes, health=rt.health)
+        gateway = next((p.gateway for p in parts.values() if p.gateway is not None), None)
+        start("http", _serve_http(rt, app, port, gateway, stopping))
     log(logger, logging.INFO, "roles running", roles=list(roles), port=port if http else None)
     await stopping.wait()
     log(logger, logging.INFO, "stopping", roles=list(roles))
     await asyncio.gather(*jobs, return_exceptions=True)
-    for part in parts:
+    for part in parts.values():
         for hook in part.on_stop:
             try:
                 await hook()
             except Exception as exc:  # one role's cleanup must not skip the others'
                 log(logger, logging.ERROR, "cleanup failed", error=repr(exc))
-    return 1 if failed else 0
+    config_errors = [e for e in fatal if isinstance(e, ConfigError)]
+    if config_errors:
+        raise config_errors[0]
+    return 1 if fatal else 0
+
+
+async def _serve_http(
+    rt: Runtime, app: Starlette, port: int, gateway: Gateway | None, stopping: asyncio.Event
+) -> None:
+    host = rt.settings.host
+    try:
+        await serve_http(app, host, port, gateway, stopping, reuse_port=rt.settings.reuse_port)
+    except OSError as exc:  # the port cannot be bound (in use, not ours, no such address)
+        reason = exc.strerror or str(exc)
+        raise ConfigError(f"cannot serve HTTP on {host}:{port}: {reason}") from exc
+    if not stopping.is_set():
+        raise RuntimeError("the HTTP server stopped by itself")

@@ -8,7 +8,7 @@ from aivedio.billing.config import BillingConfig
 from aivedio.billing.consumer import BillingConsumer
 from aivedio.bus.jetstream import JetStreamBus
 from aivedio.bus.port import BusConfig
-from aivedio.process.parts import RoleParts
+from aivedio.process.parts import RoleLoop, RoleParts
 from aivedio.runtime import Runtime
 
 
@@ -24,4 +24,4 @@ async def billing_role(
         finally:
             await bus.close()
 
-    return RoleParts(loops=[consume])
+    return RoleParts(loops=[RoleLoop("consumer", consume)])

@@ -61,7 +61,7 @@ from aivedio.db.wakeup import IdleListener, wait_any
 from aivedio.domain.observation import ProviderObservation, Source
 from aivedio.errors import DatabaseUnavailable
 from aivedio.logs import log, trace_id_var
-from aivedio.process.parts import RoleParts
+from aivedio.process.parts import RoleLoop, RoleParts
 from aivedio.providers.base import (
     InboxFields,
     JobState,
@@ -638,4 +638,4 @@ async def inbox_role(rt: Runtime) -> RoleParts:
             for adapter in adapters.values():
                 await adapter.aclose()
 
-    return RoleParts(loops=[loop])
+    return RoleParts(loops=[RoleLoop("processor", loop)])

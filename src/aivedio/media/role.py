@@ -19,7 +19,7 @@ from aivedio.media.consumer import MediaConsumer
 from aivedio.media.playback import PlaybackConfig, playback_routes
 from aivedio.media.sandbox_locator import SandboxLocatorConfig, SandboxOutputLocator
 from aivedio.media.worker import MediaWorker
-from aivedio.process.parts import RoleParts
+from aivedio.process.parts import RoleLoop, RoleParts
 from aivedio.runtime import Runtime
 from aivedio.storage.filesystem import FileSystemObjectStore, FileSystemStoreConfig
 
@@ -46,7 +46,7 @@ async def media_role(
             worker = MediaWorker(rt.db, rt.state, store, locator, http, config)
             await worker.run(stopping)
 
-    return RoleParts(loops=[consume, work])
+    return RoleParts(loops=[RoleLoop("consumer", consume), RoleLoop("worker", work)])
 
 
 def media_store(rt: Runtime) -> FileSystemObjectStore:

@@ -18,7 +18,7 @@ from aivedio.config import Settings
 from aivedio.polling.config import PollerConfig, RateLimitConfig, parse_limits
 from aivedio.polling.poller import Poller
 from aivedio.polling.ratelimit import RateLimiter
-from aivedio.process.parts import RoleParts
+from aivedio.process.parts import RoleLoop, RoleParts
 from aivedio.providers.registry import build_providers, providers_config
 from aivedio.runtime import Runtime
 
@@ -49,7 +49,7 @@ async def poller_role(rt: Runtime, config: PollerConfig | None = None) -> RolePa
                 await adapter.aclose()
             await redis.aclose()
 
-    return RoleParts(loops=[loop])
+    return RoleParts(loops=[RoleLoop("poller", loop)])
 
 
 __all__ = ["poller_config", "poller_role"]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from aivedio.bus import Bus, BusConfig, BusUnavailable
 from aivedio.logs import log
-from aivedio.process.parts import RoleParts
+from aivedio.process.parts import RoleLoop, RoleParts
 from aivedio.propagation.dispatcher import (
     DispatcherConfig,
     NotificationDispatcher,
@@ -75,7 +75,7 @@ async def relay_role(
                 rt.wakeups.outbox.unsubscribe(relay.idle.kick)
             await bus.close()
 
-    return RoleParts(loops=[loop])
+    return RoleParts(loops=[RoleLoop("relay", loop)])
 
 
 RouterFactory = Callable[
@@ -108,4 +108,4 @@ async def dispatcher_role(
             await client.aclose()
             await bus.close()
 
-    return RoleParts(loops=[loop])
+    return RoleParts(loops=[RoleLoop("dispatcher", loop)])

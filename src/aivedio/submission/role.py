@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from aivedio.db.pool import Database
-from aivedio.process.parts import Loop
+from aivedio.process.parts import RoleLoop
 from aivedio.providers.base import ProviderAdapter
 from aivedio.reconcile.config import ReconcilerConfig
 from aivedio.reconcile.reconciler import Reconciler
@@ -22,11 +22,11 @@ def submitter_loops(
     adapters: Mapping[str, ProviderAdapter],
     submit: SubmitterConfig | None = None,
     cancel: CancelConfig | None = None,
-) -> list[Loop]:
+) -> list[RoleLoop]:
     """The submitter and the cancel worker: both send commands to providers."""
     return [
-        Submitter(db, state, adapters, submit).run,
-        CancelWorker(db, state, adapters, cancel).run,
+        RoleLoop("submitter", Submitter(db, state, adapters, submit).run),
+        RoleLoop("cancel", CancelWorker(db, state, adapters, cancel).run),
     ]
 
 
@@ -35,5 +35,5 @@ def reconciler_loops(
     state: StateService,
     adapters: Mapping[str, ProviderAdapter],
     config: ReconcilerConfig | None = None,
-) -> list[Loop]:
-    return [Reconciler(db, state, adapters, config).run]
+) -> list[RoleLoop]:
+    return [RoleLoop("reconciler", Reconciler(db, state, adapters, config).run)]
