@@ -6,9 +6,9 @@ import asyncio
 
 from aivedio.billing.config import BillingConfig
 from aivedio.billing.consumer import BillingConsumer
-from aivedio.bus.jetstream import JetStreamBus
 from aivedio.bus.port import BusConfig
 from aivedio.process.parts import RoleLoop, RoleParts
+from aivedio.propagation.roles import connect_bus
 from aivedio.runtime import Runtime
 
 
@@ -18,7 +18,9 @@ async def billing_role(
     consumer = BillingConsumer(rt.db, config or BillingConfig())
 
     async def consume(stopping: asyncio.Event) -> None:
-        bus = await JetStreamBus.connect(bus_config or rt.settings.bus(rt.urls.nats_url))
+        bus = await connect_bus(bus_config or rt.settings.bus(rt.urls.nats_url), stopping)
+        if bus is None:
+            return
         try:
             await consumer.run(bus, stopping)
         finally:

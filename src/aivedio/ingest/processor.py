@@ -61,6 +61,7 @@ from aivedio.db.wakeup import IdleListener, wait_any
 from aivedio.domain.observation import ProviderObservation, Source
 from aivedio.errors import DatabaseUnavailable
 from aivedio.logs import log, trace_id_var
+from aivedio.process import health
 from aivedio.process.parts import RoleLoop, RoleParts
 from aivedio.providers.base import (
     InboxFields,
@@ -259,10 +260,12 @@ class InboxProcessor:
             while not stopping.is_set():
                 try:
                     claimed = await self.process_once()
-                except DatabaseUnavailable:
+                except DatabaseUnavailable as exc:
                     log(logger, logging.WARNING, "inbox processor: database unavailable")
+                    health.outage("database", exc)
                     await wait_any(stopping, self.config.error_backoff_s)
                     continue
+                health.recovered()
                 if claimed:
                     self.idle.worked()
                     continue

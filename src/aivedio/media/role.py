@@ -12,7 +12,6 @@ import asyncio
 import httpx
 from starlette.routing import BaseRoute
 
-from aivedio.bus.jetstream import JetStreamBus
 from aivedio.bus.port import BusConfig
 from aivedio.media.config import MediaConfig
 from aivedio.media.consumer import MediaConsumer
@@ -20,6 +19,7 @@ from aivedio.media.playback import PlaybackConfig, playback_routes
 from aivedio.media.sandbox_locator import SandboxLocatorConfig, SandboxOutputLocator
 from aivedio.media.worker import MediaWorker
 from aivedio.process.parts import RoleLoop, RoleParts
+from aivedio.propagation.roles import connect_bus
 from aivedio.runtime import Runtime
 from aivedio.storage.filesystem import FileSystemObjectStore, FileSystemStoreConfig
 
@@ -32,7 +32,9 @@ async def media_role(
     store = media_store(rt)
 
     async def consume(stopping: asyncio.Event) -> None:
-        bus = await JetStreamBus.connect(bus_config or rt.settings.bus(rt.urls.nats_url))
+        bus = await connect_bus(bus_config or rt.settings.bus(rt.urls.nats_url), stopping)
+        if bus is None:
+            return
         try:
             await MediaConsumer(rt.db, config).run(bus, stopping)
         finally:

@@ -1,8 +1,9 @@
 """The ``relay`` and ``dispatcher`` roles for ``aivedio run --role ...``.
 
 Each factory returns one background loop. The loop connects to the bus itself and keeps trying
-while the broker is away (the outbox keeps growing meanwhile; nothing is lost), so a role never
-fails its process because NATS or Redis is down at start.
+while the broker is away (the outbox keeps growing meanwhile; nothing is lost; the loop reports
+an outage of the ``bus`` meanwhile), so a role never fails its process because NATS or Redis is
+down at start.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from aivedio.bus import Bus, BusConfig, BusUnavailable
 from aivedio.logs import log
+from aivedio.process import health
 from aivedio.process.parts import RoleLoop, RoleParts
 from aivedio.propagation.dispatcher import (
     DispatcherConfig,
@@ -41,9 +43,13 @@ async def connect_bus(config: BusConfig, stopping: asyncio.Event) -> Bus | None:
     delay = 0.5
     while not stopping.is_set():
         try:
-            return await JetStreamBus.connect(config)
+            bus = await JetStreamBus.connect(config)
         except BusUnavailable as exc:
             log(logger, logging.WARNING, "bus unavailable, retrying", error=str(exc), in_s=delay)
+            health.outage("bus", exc)
+        else:
+            health.recovered()
+            return bus
         try:
             await asyncio.wait_for(stopping.wait(), timeout=delay)
         except TimeoutError:
