@@ -190,61 +190,66 @@ async def serve(
     parts = {name: await AVAILABLE[name](rt) for name in roles}
     if stopping is None:
         stopping = stop_on_signals()
-    fatal: list[BaseException] = []
-
-    def watch(job: asyncio.Task[None]) -> None:
-        # Supervised loops end only when the process stops; anything else ending is fatal.
-        error = None if job.cancelled() else job.exception()
-        if stopping.is_set() and error is None:
-            return
-        if error is None:
-            error = RuntimeError(f"{job.get_name()} ended")
-        if not stopping.is_set():
-            log(
-                logger, logging.ERROR, "stopping the process", job=job.get_name(), error=repr(error)
-            )
-            fatal.append(error)
-            stopping.set()
-        else:
-            log(
-                logger,
-                logging.WARNING,
-                "error while stopping",
-                job=job.get_name(),
-                error=repr(error),
-            )
-
-    jobs: list[asyncio.Task[None]] = []
-
-    def start(name: str, coro: Coroutine[Any, Any, None]) -> None:
-        job = asyncio.create_task(coro, name=name)
-        job.add_done_callback(watch)
-        jobs.append(job)
-
+    jobs = _Jobs(stopping)
     for role, p in parts.items():
         for named in p.loops:
             unit = rt.health.unit(role, named.name)
-            start(f"{role}/{named.name}", supervise(unit, named.run, stopping, policy))
+            jobs.start(f"{role}/{named.name}", supervise(unit, named.run, stopping, policy))
     http = any(p.http for p in parts.values())
     if http:
         routes = [r for p in parts.values() for r in p.routes]
         app = create_app(rt.db, rt.tasks, rt.settings.api, extra_routes=routes, health=rt.health)
         gateway = next((p.gateway for p in parts.values() if p.gateway is not None), None)
-        start("http", _serve_http(rt, app, port, gateway, stopping))
+        jobs.start("http", _serve_http(rt, app, port, gateway, stopping))
     log(logger, logging.INFO, "roles running", roles=list(roles), port=port if http else None)
     await stopping.wait()
     log(logger, logging.INFO, "stopping", roles=list(roles))
-    await asyncio.gather(*jobs, return_exceptions=True)
+    await jobs.finished()
     for part in parts.values():
         for hook in part.on_stop:
             try:
                 await hook()
             except Exception as exc:  # one role's cleanup must not skip the others'
                 log(logger, logging.ERROR, "cleanup failed", error=repr(exc))
-    config_errors = [e for e in fatal if isinstance(e, ConfigError)]
+    config_errors = [e for e in jobs.fatal if isinstance(e, ConfigError)]
     if config_errors:
         raise config_errors[0]
-    return 1 if fatal else 0
+    return 1 if jobs.fatal else 0
+
+
+class _Jobs:
+    """The process's jobs: its supervised loops and its HTTP server. They end only when the
+    process stops; one that ends before (a ConfigError, the HTTP server) stops the process."""
+
+    def __init__(self, stopping: asyncio.Event) -> None:
+        self.stopping = stopping
+        self.tasks: list[asyncio.Task[None]] = []
+        self.fatal: list[BaseException] = []
+
+    def start(self, name: str, coro: Coroutine[Any, Any, None]) -> None:
+        job = asyncio.create_task(coro, name=name)
+        job.add_done_callback(self._ended)
+        self.tasks.append(job)
+
+    async def finished(self) -> None:
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    def _ended(self, job: asyncio.Task[None]) -> None:
+        error = None if job.cancelled() else job.exception()
+        if self.stopping.is_set():
+            if error is not None:
+                log(
+                    logger,
+                    logging.WARNING,
+                    "error while stopping",
+                    job=job.get_name(),
+                    error=repr(error),
+                )
+            return
+        error = error or RuntimeError(f"{job.get_name()} ended")
+        log(logger, logging.ERROR, "stopping the process", job=job.get_name(), error=repr(error))
+        self.fatal.append(error)
+        self.stopping.set()
 
 
 async def _serve_http(

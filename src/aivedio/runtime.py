@@ -10,14 +10,14 @@ from aivedio.config import Settings
 from aivedio.db.migrate import migrations
 from aivedio.db.pool import Database
 from aivedio.db.wakeup import Signal
-from aivedio.errors import AivedioError
+from aivedio.errors import ConfigError
 from aivedio.process.health import Health
 from aivedio.services.embedded import ServiceUrls
 from aivedio.state.service import StateService
 from aivedio.state.tasks import TaskStore
 
 
-class NotMigrated(AivedioError):
+class NotMigrated(ConfigError):
     """The database schema is older than this code; run ``aivedio migrate``."""
 
 

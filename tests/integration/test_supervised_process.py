@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import asyncpg
 import httpx
 import pytest
 
@@ -23,6 +25,7 @@ from aivedio.process.restart import RestartPolicy
 from aivedio.runtime import Runtime
 from aivedio.services.embedded import ServiceUrls
 from aivedio.state.service import StateService
+from tests.conftest import with_database
 from tests.integration.helpers import store
 from tests.integration.test_api_database_down import via
 from tests.proxy import TcpProxy
@@ -241,3 +244,20 @@ async def test_readyz_contract(db: Database, database_url: str) -> None:
 async def _get(base: str, path: str) -> httpx.Response:
     async with httpx.AsyncClient(trust_env=False, timeout=5) as client:
         return await client.get(f"{base}{path}")
+
+
+async def test_a_database_older_than_the_code_is_a_configuration_error(
+    admin_database_url: str, tmp_path: Path, redis_url: str, nats_url: str
+) -> None:
+    name = f"aivedio_empty_{uuid.uuid4().hex[:10]}"
+    admin = await asyncpg.connect(admin_database_url)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        url = with_database(admin_database_url, name)
+        with pytest.raises(ConfigError, match="run `aivedio migrate`"):
+            await roles.open_runtime(
+                Settings(data_dir=tmp_path), ServiceUrls(url, redis_url, nats_url), asyncio.Event()
+            )
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()

@@ -240,3 +240,15 @@ def test_the_reported_error_names_types_never_messages() -> None:
         unit.outage("bus", exc)
     assert unit.error == "ValueError (OSError)"
     assert "secret" not in str(unit.as_dict())
+
+
+def test_a_recovery_of_one_dependency_does_not_clear_an_outage_of_another() -> None:
+    unit = LoopHealth("t-deps", "worker")
+    unit.outage("bus", "BusUnavailable")
+    unit.recovered("database")  # the database answered: says nothing about the bus
+    assert unit.state is LoopState.OUTAGE and unit.dependency == "bus"
+    unit.recovered("bus")
+    assert unit.state is LoopState.RUNNING and unit.dependency is None
+    unit.outage("database", "DatabaseUnavailable")
+    unit.recovered()  # any
+    assert unit.state is LoopState.RUNNING

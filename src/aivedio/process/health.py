@@ -91,9 +91,12 @@ class LoopHealth:
         self.dependency = dependency
         self._set(LoopState.OUTAGE)
 
-    def recovered(self) -> None:
-        """A round worked again after an outage."""
+    def recovered(self, dependency: str | None = None) -> None:
+        """A round worked again after an outage (of ``dependency`` only, when given: a round
+        that shows the database answers says nothing about the bus)."""
         if self.state is not LoopState.OUTAGE:
+            return
+        if dependency is not None and dependency != self.dependency:
             return
         log(
             logger,
@@ -187,11 +190,12 @@ def outage(dependency: str, error: BaseException | str) -> None:
         unit.outage(dependency, error)
 
 
-def recovered() -> None:
-    """The loop this runs in did a round that worked (clears an outage, if any)."""
+def recovered(dependency: str | None = None) -> None:
+    """The loop this runs in did a round that worked: clears its outage (only an outage of
+    ``dependency``, when given)."""
     unit = _current.get()
     if unit is not None and unit.state is LoopState.OUTAGE:
-        unit.recovered()
+        unit.recovered(dependency)
 
 
 def _describe(error: BaseException | str) -> str:

@@ -300,8 +300,10 @@ class OutboxRelay:
                     continue
                 if result.broker_down:
                     health.outage("bus", "BusUnavailable")
-                else:
+                elif result.published:
                     health.recovered()
+                else:  # the database answered; nothing was published, so the bus is unknown
+                    health.recovered("database")
                 self._since_vacuum += result.published
                 if result.claimed < cfg.batch_size:
                     self._maybe_vacuum()
