@@ -15,12 +15,14 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from aivedio.bus.port import BusClosed, BusError, Consumer, Delivery
+from aivedio.errors import DatabaseUnavailable
 from aivedio.logs import log, trace_id_var
+from aivedio.process import health
 
 __all__ = ["TOPIC", "ConsumerSettings", "InvalidEvent", "StatusEvent", "parse_status_event"]
 
@@ -99,19 +101,41 @@ Handler = Callable[[StatusEvent], Awaitable[None]]
 
 
 async def settle(
-    delivery: Delivery, handle: Handler, settings: ConsumerSettings, logger: logging.Logger
-) -> None:
-    """Parse, handle, then ack (or nak / term). Never raises for one bad message."""
+    delivery: Delivery,
+    handle: Handler,
+    settings: ConsumerSettings,
+    logger: logging.Logger,
+    stopping: asyncio.Event | None = None,
+    held: Sequence[Delivery] = (),
+) -> bool:
+    """Parse, handle, then ack (or nak / term). Never raises for one bad message.
+
+    A database outage is not the message's fault: a nak would count a delivery, and
+    ``max_deliver`` of them would dead-letter a good message during a long enough outage. So
+    the delivery, and ``held`` (the rest of its batch), are kept in progress (no redelivery,
+    no delivery counted) and the handler is tried again every ``retry_delay_s`` until it works
+    (True) or ``stopping`` is set (False: the delivery is nak'ed, ``held`` is left alone).
+    """
     try:
         event = parse_status_event(delivery.data)
     except InvalidEvent as exc:
         log(logger, logging.ERROR, "poison message", dedup_id=delivery.dedup_id, error=str(exc))
         await delivery.term(f"invalid event: {exc}")
-        return
+        return True
     token = trace_id_var.set(event.trace_id if event else None)
     try:
-        if event is not None:
-            await handle(event)
+        while event is not None:
+            try:
+                await handle(event)
+                break
+            except DatabaseUnavailable as exc:
+                if stopping is None or stopping.is_set():
+                    await delivery.nak(settings.retry_delay_s)
+                    return False
+                log(logger, logging.WARNING, "database unavailable; holding the delivery")
+                health.outage("database", exc)
+                await _keep_in_progress([delivery, *held])
+                await _pause(stopping, settings.retry_delay_s)
     except Exception as exc:  # the message comes back; after max_deliver it is dead-lettered
         log(
             logger,
@@ -122,10 +146,11 @@ async def settle(
             error=type(exc).__name__,
         )
         await delivery.nak(settings.retry_delay_s)
-        return
+        return True
     finally:
         trace_id_var.reset(token)
     await delivery.ack()
+    return True
 
 
 async def consume(
@@ -135,7 +160,8 @@ async def consume(
     settings: ConsumerSettings,
     logger: logging.Logger,
 ) -> None:
-    """Fetch and settle until ``stopping`` is set; a bus outage pauses, never ends, the loop."""
+    """Fetch and settle until ``stopping`` is set; a bus or database outage pauses, never ends,
+    the loop."""
     while not stopping.is_set():
         try:
             deliveries = await consumer.fetch(settings.batch, settings.fetch_timeout_s)
@@ -145,15 +171,30 @@ async def consume(
             raise
         except BusError as exc:
             log(logger, logging.WARNING, "bus unavailable", error=type(exc).__name__)
+            health.outage("bus", exc)
             await _pause(stopping, settings.retry_delay_s)
             continue
-        for delivery in deliveries:
+        health.recovered()
+        for i, delivery in enumerate(deliveries):
             try:
-                await settle(delivery, handle, settings, logger)
+                if not await settle(
+                    delivery, handle, settings, logger, stopping, deliveries[i + 1 :]
+                ):
+                    break  # stopping during an outage: the rest comes back after ack_wait
             except (
                 BusError
             ) as exc:  # ack / nak lost: the message comes back, handlers are idempotent
                 log(logger, logging.WARNING, "settle failed", error=type(exc).__name__)
+
+
+async def _keep_in_progress(deliveries: Sequence[Delivery]) -> None:
+    """Reset the ack wait of each (best effort: one that is redelivered meanwhile is handled
+    again, idempotently)."""
+    for delivery in deliveries:
+        try:
+            await delivery.in_progress()
+        except BusError:
+            return  # the bus is away too; the deliveries come back after ack_wait
 
 
 async def _pause(stopping: asyncio.Event, seconds: float) -> None:

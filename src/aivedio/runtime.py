@@ -10,13 +10,14 @@ from aivedio.config import Settings
 from aivedio.db.migrate import migrations
 from aivedio.db.pool import Database
 from aivedio.db.wakeup import Signal
-from aivedio.errors import AivedioError
+from aivedio.errors import ConfigError
+from aivedio.process.health import Health
 from aivedio.services.embedded import ServiceUrls
 from aivedio.state.service import StateService
 from aivedio.state.tasks import TaskStore
 
 
-class NotMigrated(AivedioError):
+class NotMigrated(ConfigError):
     """The database schema is older than this code; run ``aivedio migrate``."""
 
 
@@ -58,6 +59,8 @@ class Runtime:
     state: StateService
     tasks: TaskStore
     wakeups: Wakeups = field(default_factory=Wakeups)
+    health: Health = field(default_factory=Health)
+    """The health of this process's role loops (``/readyz``)."""
 
     @classmethod
     async def open(cls, settings: Settings, urls: ServiceUrls) -> Runtime:

@@ -493,7 +493,7 @@ async def test_media_and_billing_roles_run_the_whole_chain(
         loops = [*media.loops, *billing.loops]
         async with contextlib.AsyncExitStack() as stack:
             for loop in loops:
-                await stack.enter_async_context(running(loop))
+                await stack.enter_async_context(running(loop.run))
 
             async def ready() -> bool:
                 return (await env.task(task_id))["status"] == "ready"

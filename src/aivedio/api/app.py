@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Literal
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -17,7 +18,7 @@ from starlette.routing import BaseRoute, Route
 
 from aivedio.api.docs import docs_routes
 from aivedio.api.http import ApiError, TraceMiddleware, error_response, respond
-from aivedio.api.models import Health, Readiness
+from aivedio.api.models import Health, LoopDown, NotReady, Readiness
 from aivedio.api.tasks import TaskRoutes
 from aivedio.config import ApiConfig
 from aivedio.db.pool import Database
@@ -28,6 +29,7 @@ from aivedio.errors import (
     NotFound,
 )
 from aivedio.logs import log
+from aivedio.process.health import Health as RoleHealth
 from aivedio.state.tasks import TaskStore
 
 logger = logging.getLogger("aivedio.api")
@@ -38,16 +40,34 @@ def create_app(
     tasks: TaskStore,
     config: ApiConfig,
     extra_routes: Sequence[BaseRoute] = (),
+    health: RoleHealth | None = None,
 ) -> Starlette:
-    """The API app. ``extra_routes`` lets other roles (callbacks, gateway) share the port."""
+    """The API app. ``extra_routes`` lets other roles (callbacks, gateway) share the port;
+    ``health``, the process's role loops, makes ``/readyz`` name the roles that are down."""
 
     async def healthz(request: Request) -> Response:
         return respond(Health(status="ok"))
 
     async def readyz(request: Request) -> Response:
-        async with db.connection() as conn:
-            await conn.fetchval("SELECT 1")
-        return respond(Readiness(status="ready"))
+        """200 when PostgreSQL answers and no role loop of the process is down; else 503 with
+        what is down (``roles_down``, each loop's state in ``loops``) and Retry-After."""
+        database: Literal["ok", "unavailable"] = "ok"
+        try:
+            async with db.connection() as conn:
+                await conn.fetchval("SELECT 1")
+        except DatabaseUnavailable:
+            database = "unavailable"
+        down = health.down() if health is not None else []
+        if database == "ok" and not down:
+            return respond(Readiness(status="ready"))
+        body = NotReady(
+            status="unavailable",
+            database=database,
+            roles_down=list(dict.fromkeys(u.role for u in down)),
+            loops=[LoopDown(**u.as_dict()) for u in down],
+        )
+        headers = {"Retry-After": str(config.retry_after_s), "Cache-Control": "no-store"}
+        return respond(body, 503, headers)
 
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

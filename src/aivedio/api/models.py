@@ -40,6 +40,8 @@ __all__ = [
     "FieldError",
     "Health",
     "ListQuery",
+    "LoopDown",
+    "NotReady",
     "PlaybackLink",
     "PublicError",
     "PublicStatus",
@@ -325,11 +327,37 @@ class Health(_Out):
 
 
 class Readiness(BaseModel):
-    """``/readyz``: ``status`` and whatever else the process reports about its roles."""
+    """``/readyz`` when the process can serve: ``{"status": "ready"}``."""
 
     model_config = ConfigDict(extra="allow")
 
     status: str
+
+
+class LoopDown(_Out):
+    """One role loop that is down (``aivedio.process.health``)."""
+
+    role: str
+    loop: str = Field(description="the loop's name within its role, e.g. `worker`, `cancel`")
+    state: Literal["outage", "restarting"] = Field(
+        description="`outage`: paused while `dependency` is away, it retries by itself; "
+        "`restarting`: it failed and waits out its backoff before its supervisor restarts it"
+    )
+    dependency: Literal["database", "redis", "bus"] | None
+    error: str | None = Field(description="exception type names only, never a message")
+    restarts: int = Field(ge=0, description="restarts of this loop since the process started")
+    for_s: float = Field(ge=0, description="seconds in this state")
+
+
+class NotReady(_Out):
+    """``/readyz`` answered 503: what is down."""
+
+    status: Literal["unavailable"]
+    database: Literal["ok", "unavailable"] = Field(description="`SELECT 1` through the pool")
+    roles_down: list[str] = Field(
+        description="the roles of this process with at least one loop down, in start order"
+    )
+    loops: list[LoopDown]
 
 
 # -- stream frames (documented; written by the gateway, not through these models) ---------------

@@ -3,30 +3,27 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 from aivedio.billing.config import BillingConfig
 from aivedio.billing.consumer import BillingConsumer
-from aivedio.bus.jetstream import JetStreamBus
 from aivedio.bus.port import BusConfig
-
-if TYPE_CHECKING:
-    from aivedio.roles import RoleParts
-    from aivedio.runtime import Runtime
+from aivedio.process.parts import RoleLoop, RoleParts
+from aivedio.propagation.roles import connect_bus
+from aivedio.runtime import Runtime
 
 
 async def billing_role(
     rt: Runtime, config: BillingConfig | None = None, bus_config: BusConfig | None = None
 ) -> RoleParts:
-    from aivedio.roles import RoleParts  # the runner imports this module: no import cycle
-
     consumer = BillingConsumer(rt.db, config or BillingConfig())
 
     async def consume(stopping: asyncio.Event) -> None:
-        bus = await JetStreamBus.connect(bus_config or rt.settings.bus(rt.urls.nats_url))
+        bus = await connect_bus(bus_config or rt.settings.bus(rt.urls.nats_url), stopping)
+        if bus is None:
+            return
         try:
             await consumer.run(bus, stopping)
         finally:
             await bus.close()
 
-    return RoleParts(loops=[consume])
+    return RoleParts(loops=[RoleLoop("consumer", consume)])

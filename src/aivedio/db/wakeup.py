@@ -182,9 +182,7 @@ class IdleListener:
             return self._listener
         self._listener = None
         try:
-            conn = await asyncpg.connect(
-                self.db.config.url, timeout=self.db.config.acquire_timeout_s
-            )
+            conn = await self.db.session()
         except DB_ERRORS as exc:
             log(logger, logging.WARNING, f"{self.name} listener cannot connect", error=repr(exc))
             return None

@@ -53,6 +53,9 @@ from aivedio.gateway.timers import Wheel
 from aivedio.gateway.transport import SseTransport
 from aivedio.gateway.websocket import WsTransport
 from aivedio.logs import log
+from aivedio.process.health import Health
+from aivedio.process.parts import Loop
+from aivedio.process.supervisor import supervise
 
 logger = logging.getLogger("aivedio.gateway")
 
@@ -60,8 +63,18 @@ StreamTransport = SseTransport | WsTransport
 
 
 class Gateway:
-    def __init__(self, db: Database, config: GatewayConfig, redis: Redis | None = None) -> None:
+    def __init__(
+        self,
+        db: Database,
+        config: GatewayConfig,
+        redis: Redis | None = None,
+        *,
+        health: Health | None = None,
+    ) -> None:
         self.config = config
+        # The background jobs run supervised (restarted when they fail), as loops of the role
+        # ``gateway`` in the process's health (``/readyz``) when it is given.
+        self.health = health if health is not None else Health()
         self.store = EventStore(db)
         self.redis = (
             redis
@@ -125,16 +138,21 @@ class Gateway:
     # -- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
-        for job in (
-            self.hub.run,
-            self.wheel.run,
-            self.tailcheck.run,
-            self._recheck_loop,
-            self.counters.run,
-            self.interest.run,
-            *((self.routes.run,) if self.routes is not None else ()),
-        ):
-            self._jobs.append(asyncio.create_task(job(self._stopping)))
+        jobs: list[tuple[str, Loop]] = [
+            ("hub", self.hub.run),
+            ("heartbeats", self.wheel.run),
+            ("tailcheck", self.tailcheck.run),
+            ("recheck", self._recheck_loop),
+            ("counters", self.counters.run),
+            ("interest", self.interest.run),
+        ]
+        if self.routes is not None:
+            jobs.append(("routes", self.routes.run))
+        for name, job in jobs:
+            unit = self.health.unit("gateway", name)
+            self._jobs.append(
+                asyncio.create_task(supervise(unit, job, self._stopping), name=f"gateway/{name}")
+            )
 
     async def wait_subscribed(self) -> None:
         await self.hub.subscribed.wait()

@@ -30,6 +30,7 @@ from aivedio.gateway.session import Session
 from aivedio.gateway.store import EventStore
 from aivedio.gateway.transport import corked
 from aivedio.logs import log
+from aivedio.process import health
 
 logger = logging.getLogger("aivedio.gateway")
 
@@ -137,6 +138,7 @@ class Hub:
                             # First subscribe, or redis-py's own reconnect re-subscribed:
                             # messages may have been lost in between.
                             metrics.REDIS_RECONNECTS.inc()
+                            health.recovered()
                             self.subscribed.set()
                             self.on_subscribed()
                             backoff = 0.1
@@ -145,13 +147,14 @@ class Hub:
                             message = await self._deliver_arrived(pubsub, message["data"])
                         else:
                             message = None
-            except (RedisError, OSError) as exc:
+            except (RedisError, OSError, TimeoutError) as exc:
                 self.subscribed.clear()
                 log(logger, logging.WARNING, "pub/sub connection lost", error=repr(exc))
+                health.outage("redis", exc)
                 await asyncio.sleep(random.uniform(0, backoff))
                 backoff = min(backoff * 2, 5.0)
             finally:
-                with contextlib.suppress(RedisError, OSError):
+                with contextlib.suppress(RedisError, OSError, TimeoutError):
                     await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def _deliver_arrived(self, pubsub: PubSub, first: bytes) -> dict[str, Any] | None:

@@ -52,11 +52,11 @@ from redis.exceptions import RedisError
 
 from aivedio.logs import log
 from aivedio.polling.ratelimit import mark_interests
+from aivedio.process.parts import RoleParts
+from aivedio.runtime import Runtime
 
 if TYPE_CHECKING:
     from aivedio.propagation.dispatcher import DispatcherConfig, RoutedEvent
-    from aivedio.roles import RoleParts
-    from aivedio.runtime import Runtime
 
 __all__ = [
     "InterestMarks",

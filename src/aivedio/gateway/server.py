@@ -346,7 +346,7 @@ async def _serve(
 ) -> None:
     if gateway is not None:
         await gateway.start()
-    serving = asyncio.create_task(server.serve(sockets))
+    serving = asyncio.create_task(_serve_uvicorn(server, sockets))
     stop = asyncio.create_task(stopping.wait())
     try:
         await asyncio.wait({serving, stop}, return_when=asyncio.FIRST_COMPLETED)
@@ -362,3 +362,12 @@ async def _serve(
                 await serving
         if gateway is not None:
             await gateway.close()
+
+
+async def _serve_uvicorn(server: QuietServer, sockets: list[socket.socket] | None) -> None:
+    try:
+        await server.serve(sockets)
+    except SystemExit as exc:
+        # uvicorn's answer to a port it cannot bind (it logged why). Raised in a task, a
+        # SystemExit would end the event loop at once, past every role's cleanup.
+        raise OSError(f"the HTTP server could not start (uvicorn exit code {exc.code})") from None

@@ -20,10 +20,12 @@ import uuid
 from asyncio import FIRST_COMPLETED
 from collections.abc import Iterable
 
+from aivedio.errors import DatabaseUnavailable
 from aivedio.gateway.config import GatewayConfig
 from aivedio.gateway.hub import Hub
 from aivedio.gateway.store import EventStore
 from aivedio.logs import log
+from aivedio.process import health
 
 logger = logging.getLogger("aivedio.gateway")
 
@@ -36,7 +38,7 @@ class TailCheck:
         self._now = asyncio.Event()
         self._soon: set[uuid.UUID] = set()
         self._soon_timer: asyncio.TimerHandle | None = None
-        self._soon_jobs: set[asyncio.Task[None]] = set()
+        self._soon_jobs: set[asyncio.Task[BaseException | None]] = set()
 
     def wake(self) -> None:
         """Check now, without grace (after a Redis reconnect)."""
@@ -55,11 +57,16 @@ class TailCheck:
         self._soon_jobs.add(job)
         job.add_done_callback(self._soon_jobs.discard)
 
-    async def _run_check(self, grace: float, only: set[uuid.UUID] | None = None) -> None:
+    async def _run_check(
+        self, grace: float, only: set[uuid.UUID] | None = None
+    ) -> BaseException | None:
+        """One check; the error (logged) if it failed. The next one tries again."""
         try:
             await self.check(grace, only)
         except Exception as exc:
             log(logger, logging.WARNING, "tail check failed", error=repr(exc))
+            return exc
+        return None
 
     async def run(self, stopping: asyncio.Event) -> None:
         try:
@@ -76,7 +83,11 @@ class TailCheck:
                     break
                 urgent = self._now.is_set()
                 self._now.clear()
-                await self._run_check(0.0 if urgent else self.config.tailcheck_grace_s)
+                error = await self._run_check(0.0 if urgent else self.config.tailcheck_grace_s)
+                if error is None:
+                    health.recovered()
+                elif isinstance(error, DatabaseUnavailable):
+                    health.outage("database", error)
         finally:
             if self._soon_timer is not None:
                 self._soon_timer.cancel()

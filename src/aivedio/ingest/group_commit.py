@@ -351,7 +351,8 @@ class InboxWriter:
 
         :meth:`submit` without a future: the lean HTTP path answers from ``done`` itself, one
         call per callback where a future costs a loop callback and a coroutine step more."""
-        if self._closing or self._task is None:
+        task = self._task
+        if self._closing or task is None or task.done():  # done: a flusher that died, never a hang
             raise InboxClosed("the inbox writer is not running")
         queue = self._queue
         if len(queue) >= self.config.max_queue:
@@ -420,7 +421,7 @@ class InboxWriter:
             raise
         except Exception as exc:  # never let the flusher die; fail this batch only
             log(logger, logging.ERROR, "inbox batch failed", error=type(exc).__name__)
-            await held.release()
+            await held.discard()
             for waiter in batch:
                 _settle(waiter, InboxError("the callback could not be stored"))
 
@@ -533,11 +534,11 @@ class _Held:
             records = await conn.fetch(INSERT_BATCH, batch)
         except asyncpg.PostgresError as exc:
             if isinstance(exc, UNAVAILABLE_ERRORS):  # e.g. terminated by an administrator
-                await self.release()
+                await self.discard()
                 raise DatabaseUnavailable(f"PostgreSQL unavailable: {type(exc).__name__}") from exc
             raise  # the database refused the statement: the session itself is fine
         except Exception as exc:  # the connection failed (lost, timed out, driver state)
-            await self.release()
+            await self.discard()
             raise DatabaseUnavailable(f"PostgreSQL unavailable: {type(exc).__name__}") from exc
         except BaseException:  # cancelled mid-statement: the session's state is unknown
             await self.release()
@@ -548,6 +549,12 @@ class _Held:
         conn, self.conn = self.conn, None
         if conn is not None:
             await self.db.release(conn)
+
+    async def discard(self) -> None:
+        """Give back a connection that failed: terminated, never reused by the pool."""
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            await self.db.discard(conn)
 
 
 async def expire_processed_payloads(db: Database, older_than: timedelta) -> int:

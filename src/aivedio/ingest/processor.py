@@ -53,7 +53,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import asyncpg
 from prometheus_client import Counter, Histogram
@@ -64,6 +64,8 @@ from aivedio.db.wakeup import IdleListener, wait_any
 from aivedio.domain.observation import ProviderObservation, Source
 from aivedio.errors import DatabaseUnavailable
 from aivedio.logs import log, trace_id_var
+from aivedio.process import health
+from aivedio.process.parts import RoleLoop, RoleParts
 from aivedio.providers.base import (
     InboxFields,
     JobState,
@@ -75,11 +77,8 @@ from aivedio.providers.base import (
     RateLimited,
     sample_of,
 )
+from aivedio.runtime import Runtime
 from aivedio.state.service import ApplyResult, StateService
-
-if TYPE_CHECKING:
-    from aivedio.roles import RoleParts
-    from aivedio.runtime import Runtime
 
 __all__ = [
     "InboxConfig",
@@ -344,10 +343,12 @@ class InboxProcessor:
             while not stopping.is_set():
                 try:
                     claimed = await self.process_once()
-                except DatabaseUnavailable:
+                except DatabaseUnavailable as exc:
                     log(logger, logging.WARNING, "inbox processor: database unavailable")
+                    health.outage("database", exc)
                     await wait_any(stopping, self.config.error_backoff_s)
                     continue
+                health.recovered()
                 if claimed:
                     self.idle.worked()
                     continue
@@ -719,7 +720,6 @@ async def replay(db: Database, inbox_id: int) -> bool:
 async def inbox_role(rt: Runtime) -> RoleParts:
     """``aivedio run --role inbox``: one processor loop over the configured adapters."""
     from aivedio.providers.registry import build_providers, providers_config
-    from aivedio.roles import RoleParts
 
     adapters = build_providers(providers_config(rt.settings))
     processor = InboxProcessor(rt.db, rt.state, adapters, on_applied=rt.wakeups.outbox.fire)
@@ -733,4 +733,4 @@ async def inbox_role(rt: Runtime) -> RoleParts:
             for adapter in adapters.values():
                 await adapter.aclose()
 
-    return RoleParts(loops=[loop])
+    return RoleParts(loops=[RoleLoop("processor", loop)])

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from aivedio.ingest.gateway import CallbackConfig, callback_routes
 from aivedio.ingest.group_commit import GroupCommitConfig, InboxWriter
-
-if TYPE_CHECKING:
-    from aivedio.roles import RoleParts
-    from aivedio.runtime import Runtime
+from aivedio.process.parts import RoleParts
+from aivedio.runtime import Runtime
 
 
 async def callbacks_role(rt: Runtime) -> RoleParts:
     from aivedio.providers.registry import build_providers, callback_providers, providers_config
-    from aivedio.roles import RoleParts
 
     adapters = build_providers(providers_config(rt.settings))
     writer = InboxWriter(

@@ -8,36 +8,33 @@ the sandbox locator at ``settings.sandbox_url`` with ``settings.sandbox_api_key`
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 import httpx
 from starlette.routing import BaseRoute
 
-from aivedio.bus.jetstream import JetStreamBus
 from aivedio.bus.port import BusConfig
 from aivedio.media.config import MediaConfig
 from aivedio.media.consumer import MediaConsumer
 from aivedio.media.playback import PlaybackConfig, playback_routes
 from aivedio.media.sandbox_locator import SandboxLocatorConfig, SandboxOutputLocator
 from aivedio.media.worker import MediaWorker
+from aivedio.process.parts import RoleLoop, RoleParts
+from aivedio.propagation.roles import connect_bus
+from aivedio.runtime import Runtime
 from aivedio.storage.filesystem import FileSystemObjectStore, FileSystemStoreConfig
-
-if TYPE_CHECKING:
-    from aivedio.roles import RoleParts
-    from aivedio.runtime import Runtime
 
 
 async def media_role(
     rt: Runtime, config: MediaConfig | None = None, bus_config: BusConfig | None = None
 ) -> RoleParts:
-    from aivedio.roles import RoleParts  # the runner imports this module: no import cycle
-
     config = config or MediaConfig()
     settings = rt.settings
     store = media_store(rt)
 
     async def consume(stopping: asyncio.Event) -> None:
-        bus = await JetStreamBus.connect(bus_config or rt.settings.bus(rt.urls.nats_url))
+        bus = await connect_bus(bus_config or rt.settings.bus(rt.urls.nats_url), stopping)
+        if bus is None:
+            return
         try:
             await MediaConsumer(rt.db, config).run(bus, stopping)
         finally:
@@ -51,7 +48,7 @@ async def media_role(
             worker = MediaWorker(rt.db, rt.state, store, locator, http, config)
             await worker.run(stopping)
 
-    return RoleParts(loops=[consume, work])
+    return RoleParts(loops=[RoleLoop("consumer", consume), RoleLoop("worker", work)])
 
 
 def media_store(rt: Runtime) -> FileSystemObjectStore:

@@ -52,6 +52,7 @@ from aivedio.media.errors import (
 from aivedio.media.fetch import download
 from aivedio.media.locator import OutputLocator, redact_url
 from aivedio.media.pipeline import Probe, probe, render
+from aivedio.process import health
 from aivedio.state.service import StateService
 from aivedio.storage.port import ObjectStore, StorageError
 
@@ -170,10 +171,13 @@ class MediaWorker:
 
     async def _claim_safely(self, limit: int) -> list[Claim]:
         try:
-            return await self.claim(limit)
+            claims = await self.claim(limit)
         except DatabaseUnavailable as exc:
             log(logger, logging.WARNING, "cannot claim media operations", error=str(exc))
+            health.outage("database", exc)
             return []
+        health.recovered()
+        return claims
 
     async def claim(self, limit: int) -> list[Claim]:
         async with self.db.connection() as conn:

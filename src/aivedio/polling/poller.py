@@ -50,6 +50,7 @@ from aivedio.polling.policy import (
     stretch_factor,
 )
 from aivedio.polling.ratelimit import RateLimiter, Scope, watched
+from aivedio.process import health
 from aivedio.providers.base import (
     AuthFailed,
     JobState,
@@ -211,8 +212,10 @@ class Poller:
             while not stopping.is_set():
                 try:
                     pause = await self.step()
+                    health.recovered()
                 except DatabaseUnavailable as exc:
                     log(logger, logging.WARNING, "poller: database unavailable", error=str(exc))
+                    health.outage("database", exc)
                     pause = 1.0
                 if pause > 0:
                     await _sleep_unless(stopping, pause)

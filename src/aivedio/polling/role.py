@@ -11,7 +11,6 @@ Configuration comes from the runtime's settings (:func:`poller_config`): the ada
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
 
 import redis.asyncio as aioredis
 
@@ -19,11 +18,9 @@ from aivedio.config import Settings
 from aivedio.polling.config import PollerConfig, RateLimitConfig, parse_limits
 from aivedio.polling.poller import Poller
 from aivedio.polling.ratelimit import RateLimiter
+from aivedio.process.parts import RoleLoop, RoleParts
 from aivedio.providers.registry import build_providers, providers_config
-
-if TYPE_CHECKING:
-    from aivedio.roles import RoleParts
-    from aivedio.runtime import Runtime
+from aivedio.runtime import Runtime
 
 
 def poller_config(settings: Settings) -> PollerConfig:
@@ -33,7 +30,6 @@ def poller_config(settings: Settings) -> PollerConfig:
 
 
 async def poller_role(rt: Runtime, config: PollerConfig | None = None) -> RoleParts:
-    from aivedio.roles import RoleParts  # the runner imports this module: no import cycle
 
     config = config or poller_config(rt.settings)
 
@@ -53,7 +49,7 @@ async def poller_role(rt: Runtime, config: PollerConfig | None = None) -> RolePa
                 await adapter.aclose()
             await redis.aclose()
 
-    return RoleParts(loops=[loop])
+    return RoleParts(loops=[RoleLoop("poller", loop)])
 
 
 __all__ = ["poller_config", "poller_role"]

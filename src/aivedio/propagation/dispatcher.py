@@ -37,6 +37,7 @@ from prometheus_client import Counter, Histogram
 
 from aivedio.bus import Bus, BusClosed, BusError, BusUnavailable, Consumer, Delivery
 from aivedio.logs import log
+from aivedio.process import health
 
 __all__ = [
     "DispatcherConfig",
@@ -238,13 +239,18 @@ class NotificationDispatcher:
                 except BusUnavailable as exc:
                     failures += 1
                     log(logger, logging.WARNING, "dispatcher cannot fetch", error=str(exc))
+                    health.outage("bus", exc)
                     await _pause(stopping, min(2.0, 0.1 * 2**failures))
                     continue
                 if not deliveries:
+                    health.recovered()
                     continue
                 ahead = asyncio.create_task(self._next_batch(self._consumer))
-                if not await self.handle(deliveries):
+                if await self.handle(deliveries):
+                    health.recovered()
+                else:
                     # Redis is away: what was fetched meanwhile goes back to the bus too.
+                    health.outage("redis", "RedisError")
                     fetching, ahead = ahead, None
                     with contextlib.suppress(BusError):
                         await self._settle(await fetching, nak_delay=cfg.redis_nak_delay_s)

@@ -37,6 +37,7 @@ from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.db.wakeup import DB_ERRORS, IdleListener, wait_any
 from aivedio.logs import log
+from aivedio.process import health
 
 __all__ = [
     "IDLE_LOCK",
@@ -294,8 +295,15 @@ class OutboxRelay:
                 except DB_ERRORS as exc:
                     failures += 1
                     log(logger, logging.WARNING, "outbox relay round failed", error=repr(exc))
+                    health.outage("database", exc)
                     await wait_any(stopping, min(cfg.poll_interval_s, 0.1 * 2**failures))
                     continue
+                if result.broker_down:
+                    health.outage("bus", "BusUnavailable")
+                elif result.published:
+                    health.recovered()
+                else:  # the database answered; nothing was published, so the bus is unknown
+                    health.recovered("database")
                 self._since_vacuum += result.published
                 if result.claimed < cfg.batch_size:
                     self._maybe_vacuum()

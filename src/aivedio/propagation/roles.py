@@ -1,8 +1,9 @@
 """The ``relay`` and ``dispatcher`` roles for ``aivedio run --role ...``.
 
 Each factory returns one background loop. The loop connects to the bus itself and keeps trying
-while the broker is away (the outbox keeps growing meanwhile; nothing is lost), so a role never
-fails its process because NATS or Redis is down at start.
+while the broker is away (the outbox keeps growing meanwhile; nothing is lost; the loop reports
+an outage of the ``bus`` meanwhile), so a role never fails its process because NATS or Redis is
+down at start.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import TYPE_CHECKING
 
 from aivedio.bus import Bus, BusConfig, BusUnavailable
 from aivedio.logs import log
+from aivedio.process import health
+from aivedio.process.parts import RoleLoop, RoleParts
 from aivedio.propagation.dispatcher import (
     DispatcherConfig,
     NotificationDispatcher,
@@ -22,12 +25,11 @@ from aivedio.propagation.dispatcher import (
     redis_client,
 )
 from aivedio.propagation.relay import OutboxRelay, RelayConfig
+from aivedio.runtime import Runtime
 
 if TYPE_CHECKING:
     import redis.asyncio as aioredis
 
-    from aivedio.roles import RoleParts
-    from aivedio.runtime import Runtime
 
 __all__ = ["connect_bus", "dispatcher_role", "relay_role"]
 
@@ -41,9 +43,13 @@ async def connect_bus(config: BusConfig, stopping: asyncio.Event) -> Bus | None:
     delay = 0.5
     while not stopping.is_set():
         try:
-            return await JetStreamBus.connect(config)
+            bus = await JetStreamBus.connect(config)
         except BusUnavailable as exc:
             log(logger, logging.WARNING, "bus unavailable, retrying", error=str(exc), in_s=delay)
+            health.outage("bus", exc)
+        else:
+            health.recovered()
+            return bus
         try:
             await asyncio.wait_for(stopping.wait(), timeout=delay)
         except TimeoutError:
@@ -59,8 +65,6 @@ async def relay_role(
     replicas: int = 1,
 ) -> RoleParts:
     """``replicas`` relay loops in this process (each one claims its own batches)."""
-    from aivedio.roles import RoleParts
-
     bus_cfg = bus_config or rt.settings.bus(rt.urls.nats_url)
 
     async def loop(stopping: asyncio.Event) -> None:
@@ -77,7 +81,7 @@ async def relay_role(
                 rt.wakeups.outbox.unsubscribe(relay.idle.kick)
             await bus.close()
 
-    return RoleParts(loops=[loop])
+    return RoleParts(loops=[RoleLoop("relay", loop)])
 
 
 RouterFactory = Callable[
@@ -94,8 +98,6 @@ async def dispatcher_role(
     router: RouterFactory | None = None,
 ) -> RoleParts:
     """The ``dispatcher`` role: broadcast fan-out, or the routes ``router`` makes (node mode)."""
-    from aivedio.roles import RoleParts
-
     bus_cfg = bus_config or rt.settings.bus(rt.urls.nats_url)
     cfg = config or DispatcherConfig(max_deliver=bus_cfg.max_deliver)
 
@@ -112,4 +114,4 @@ async def dispatcher_role(
             await client.aclose()
             await bus.close()
 
-    return RoleParts(loops=[loop])
+    return RoleParts(loops=[RoleLoop("dispatcher", loop)])

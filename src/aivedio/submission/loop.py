@@ -11,6 +11,7 @@ from datetime import timedelta
 
 from aivedio.errors import DatabaseUnavailable
 from aivedio.logs import log
+from aivedio.process import health
 
 
 def backoff(
@@ -27,20 +28,25 @@ async def run_rounds(
     idle_s: float,
     logger: logging.Logger,
     name: str,
+    outage_s: float = 1.0,
 ) -> None:
     """Call ``one_round`` until ``stopping``; sleep ``idle_s`` after a round that did nothing.
 
-    A database outage or a bug in one round is logged and retried after the idle sleep: a
-    background role never ends by itself (that would stop the whole process)."""
+    A database outage pauses the loop (reported, retried every ``outage_s`` at most, so a loop
+    with a long ``idle_s`` notices the database is back soon); a bug in one round is logged and
+    retried after the idle sleep: a background role never ends by itself."""
     while not stopping.is_set():
+        pause = idle_s
         try:
             done = await one_round()
+            health.recovered()
         except DatabaseUnavailable as exc:
             log(logger, logging.WARNING, f"{name}: database unavailable", error=str(exc))
-            done = 0
+            health.outage("database", exc)
+            done, pause = 0, min(idle_s, outage_s)
         except Exception:
             logger.exception(f"{name}: round failed")
             done = 0
         if done == 0:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stopping.wait(), idle_s)
+                await asyncio.wait_for(stopping.wait(), pause)

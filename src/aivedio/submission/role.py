@@ -1,15 +1,12 @@
-"""The loops the lead wires into roles (``aivedio run --role submitter|reconciler``).
-
-Kept free of ``aivedio.roles`` (which imports every role module) to avoid an import cycle: the
-role factories wrap these lists in ``RoleParts(loops=...)``.
-"""
+"""The loops of the ``submitter`` and ``reconciler`` roles (``aivedio run --role ...``); the role
+factories in ``aivedio.roles`` wrap these lists in ``RoleParts(loops=...)``."""
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Mapping
 
 from aivedio.db.pool import Database
+from aivedio.process.parts import RoleLoop
 from aivedio.providers.base import ProviderAdapter
 from aivedio.reconcile.config import ReconcilerConfig
 from aivedio.reconcile.reconciler import Reconciler
@@ -18,8 +15,6 @@ from aivedio.submission.cancel import CancelWorker
 from aivedio.submission.config import CancelConfig, SubmitterConfig
 from aivedio.submission.submitter import Submitter
 
-Loop = Callable[[asyncio.Event], Awaitable[None]]
-
 
 def submitter_loops(
     db: Database,
@@ -27,11 +22,11 @@ def submitter_loops(
     adapters: Mapping[str, ProviderAdapter],
     submit: SubmitterConfig | None = None,
     cancel: CancelConfig | None = None,
-) -> list[Loop]:
+) -> list[RoleLoop]:
     """The submitter and the cancel worker: both send commands to providers."""
     return [
-        Submitter(db, state, adapters, submit).run,
-        CancelWorker(db, state, adapters, cancel).run,
+        RoleLoop("submitter", Submitter(db, state, adapters, submit).run),
+        RoleLoop("cancel", CancelWorker(db, state, adapters, cancel).run),
     ]
 
 
@@ -40,5 +35,5 @@ def reconciler_loops(
     state: StateService,
     adapters: Mapping[str, ProviderAdapter],
     config: ReconcilerConfig | None = None,
-) -> list[Loop]:
-    return [Reconciler(db, state, adapters, config).run]
+) -> list[RoleLoop]:
+    return [RoleLoop("reconciler", Reconciler(db, state, adapters, config).run)]

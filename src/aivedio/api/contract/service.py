@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aivedio.api import models as m
 from aivedio.api.contract.base import (
+    RETRY_AFTER,
     Operation,
     Param,
     Reply,
@@ -27,7 +28,11 @@ OPS_OPERATIONS = [
         "The process can serve (PostgreSQL answers, its roles run)",
         replies={
             200: Reply("ready", m.Readiness),
-            503: Reply("not ready", schema={"type": "object"}),
+            503: Reply(
+                "PostgreSQL is away or a role loop of the process is down",
+                m.NotReady,
+                headers=(*RETRY_AFTER, ("Cache-Control", "`no-store`")),
+            ),
         },
     ),
     Operation(

@@ -1,0 +1,50 @@
+"""What a role adds to a process: HTTP routes, named background loops, stop hooks.
+
+A role module's factory (``async def <name>_role(rt: Runtime) -> RoleParts``) builds these;
+``aivedio.roles`` composes them into one process. This module imports no role module, so every
+role module can import it at module level.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from starlette.routing import BaseRoute
+
+from aivedio.runtime import Runtime
+
+if TYPE_CHECKING:
+    from aivedio.gateway import Gateway
+
+__all__ = ["Loop", "RoleFactory", "RoleLoop", "RoleParts"]
+
+Loop = Callable[[asyncio.Event], Awaitable[None]]
+"""A background loop: runs until the event (the process is stopping) is set."""
+
+
+@dataclass(frozen=True, slots=True)
+class RoleLoop:
+    """A background loop and its name within its role (``consumer``, ``worker``): the supervisor
+    restarts it, counts and reports it under (role, name)."""
+
+    name: str
+    run: Loop
+
+
+@dataclass
+class RoleParts:
+    """What a role adds to the process: HTTP routes and named background loops."""
+
+    routes: list[BaseRoute] = field(default_factory=list)
+    loops: list[RoleLoop] = field(default_factory=list)
+    http: bool = False
+    on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+    """Run after the HTTP server and every loop have stopped (drain, close clients)."""
+    gateway: Gateway | None = None
+    """The SSE gateway, served on the shared port by ``serve_http``."""
+
+
+RoleFactory = Callable[[Runtime], Awaitable[RoleParts]]
