@@ -213,8 +213,10 @@ class StateService:
     async def apply_in(self, conn: asyncpg.Connection, obs: Observation) -> ApplyResult:
         """Apply one observation inside the caller's transaction."""
         row = None
-        if obs.attempt_id is not None:
-            row = await conn.fetchrow(q("lock_task_for_attempt"), obs.attempt_id)
+        if obs.attempt_id is not None and (
+            await conn.fetchval(q("lock_task_for_attempt"), obs.attempt_id) is not None
+        ):
+            row = await conn.fetchrow(q("locked_attempts"), [obs.attempt_id])
         locked = _locked(row) if row is not None else None
         decision = self._decide(locked, obs)
         return self._count(obs, await self._write(conn, _Pending(0, obs, locked, decision)))
@@ -269,7 +271,8 @@ class StateService:
         if not observations:
             return []
         attempt_ids = sorted({o.attempt_id for o in observations if o.attempt_id is not None})
-        rows = await conn.fetch(q("lock_tasks_for_attempts"), attempt_ids)
+        await conn.execute(q("lock_tasks_for_attempts"), attempt_ids)
+        rows = await conn.fetch(q("locked_attempts"), attempt_ids)
         now: datetime | None = rows[0]["locked_at"] if rows else None
         by_attempt = {row["attempt_id"]: row for row in rows}
         tasks: dict[uuid.UUID, _Locked] = {}  # task id -> its state as the batch evolves it

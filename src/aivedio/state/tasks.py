@@ -123,9 +123,10 @@ class TaskStore:
         """Lock the task for a command; 404 if it is not the caller's, 409 from a status where
         the command makes no sense (``not_cancelable`` / ``not_retryable``)."""
         await self._require_project(conn, principal, project_id)
-        row = await conn.fetchrow(q("lock_task"), task_id, project_id)
-        if row is None:
+        if await conn.fetchval(q("lock_task"), task_id, project_id) is None:
             raise NotFound("task")
+        row = await conn.fetchrow(q("locked_task"), task_id)
+        assert row is not None
         status = Status(row["status"])
         if status not in allowed:
             public = STATUS_TABLE[status].public

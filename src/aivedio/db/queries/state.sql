@@ -1,18 +1,29 @@
 -- name: lock_task_for_attempt
 -- The task row is the aggregate lock: every state change of a task or its attempts takes it.
-SELECT t.id, t.tenant_id, t.project_id, t.user_id, t.status, t.stage, t.progress, t.version,
-       t.current_attempt_id, t.progress_event_at, t.error_code, t.error_message, t.asset_id,
-       a.id AS attempt_id, a.provider_status, a.last_provider_seq, a.last_provider_at
-FROM task_attempts a
-JOIN generation_tasks t ON t.id = a.task_id
-WHERE a.id = $1
-FOR UPDATE OF t
+-- Only the lock; locked_attempts reads task and attempt afterwards, in a statement of its own.
+-- Why not one SELECT ... JOIN ... FOR UPDATE OF t: a writer that waits for the lock gets the task
+-- row re-read after the wait (READ COMMITTED re-fetches the locked rows) but the attempt's
+-- columns as they were before it (the joined row is not re-fetched). Two inbox processors then
+-- decided on a stale attempt: in an aivedio chaos run a late `running` (seq 3) passed the
+-- sequence check after `succeeded` (seq 4) had committed, and overwrote the attempt's status.
+SELECT id FROM generation_tasks
+WHERE id = (SELECT task_id FROM task_attempts WHERE id = $1)
+FOR UPDATE
 
 -- name: lock_tasks_for_attempts
--- apply_many: the tasks of a batch of attempts ($1, uuid[]) locked in one statement. ORDER BY is
--- applied before the row locks are taken, so every batch locks its tasks in task id order and
--- two batches cannot deadlock on task rows. locked_at is now() (the transaction's start time),
--- what write_event stores in progress_event_at, for deciding later observations of a task.
+-- apply_many: the tasks of a batch of attempts ($1, uuid[]) locked in one statement, in task id
+-- order (ORDER BY is applied before the row locks are taken), so two batches cannot deadlock on
+-- task rows. Only the locks, for the reason above; locked_attempts reads the rows.
+SELECT t.id FROM generation_tasks t
+WHERE t.id IN (SELECT task_id FROM task_attempts WHERE id = ANY($1::uuid[]))
+ORDER BY t.id
+FOR UPDATE
+
+-- name: locked_attempts
+-- The attempts $1 (uuid[]) and their tasks, read after lock_task(s)_for_attempts took the task
+-- rows: a new statement sees every commit of the lock's previous holders. locked_at is now()
+-- (the transaction's start time), what write_event stores in progress_event_at, for deciding
+-- later observations of a task.
 SELECT t.id, t.tenant_id, t.project_id, t.user_id, t.status, t.stage, t.progress, t.version,
        t.current_attempt_id, t.progress_event_at, t.error_code, t.error_message, t.asset_id,
        a.id AS attempt_id, a.provider_status, a.last_provider_seq, a.last_provider_at,
@@ -21,17 +32,20 @@ FROM task_attempts a
 JOIN generation_tasks t ON t.id = a.task_id
 WHERE a.id = ANY($1::uuid[])
 ORDER BY t.id, a.id
-FOR UPDATE OF t
 
 -- name: lock_task
+-- A command on one task (cancel, retry): its row locked; locked_task reads it with its current
+-- attempt afterwards (see lock_task_for_attempt for why two statements).
+SELECT id FROM generation_tasks WHERE id = $1 AND project_id = $2 FOR UPDATE
+
+-- name: locked_task
 SELECT t.id, t.tenant_id, t.project_id, t.user_id, t.status, t.stage, t.progress, t.version,
        t.current_attempt_id, t.progress_event_at, t.error_code, t.error_message, t.asset_id,
        a.id AS attempt_id, a.provider_status, a.last_provider_seq, a.last_provider_at,
        a.attempt_no, a.provider, a.model
 FROM generation_tasks t
 LEFT JOIN task_attempts a ON a.id = t.current_attempt_id
-WHERE t.id = $1 AND t.project_id = $2
-FOR UPDATE OF t
+WHERE t.id = $1
 
 -- name: write_event
 -- One statement, one round trip: take the project's next stream seq (the row lock serializes

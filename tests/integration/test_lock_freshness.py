@@ -1,0 +1,83 @@
+"""A writer that waited for a task's lock decides on the task AND the attempt as the lock's
+previous holder committed them, never on an attempt read before the wait.
+
+Found by ``aivedio chaos``: two inbox processors, one applying a provider's ``succeeded``
+(sequence 4) while the other waited for the task row with a late ``running`` (sequence 3); the
+waiter's attempt columns were the ones from before the wait, so ``running`` passed the sequence
+check and its attempt change overwrote ``succeeded``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable
+
+from aivedio.db.pool import Database
+from aivedio.domain.observation import Observation, ProviderObservation, ProviderStatus, Source
+from aivedio.domain.transitions import Outcome, Reason
+from aivedio.state.service import ApplyResult, StateService
+from tests.integration.helpers import make_project, make_task, store
+
+
+def webhook(attempt: uuid.UUID, status: ProviderStatus, seq: int) -> Observation:
+    return ProviderObservation(
+        provider="sandbox",
+        attempt_id=attempt,
+        status=status,
+        source=Source.WEBHOOK,
+        provider_sequence=seq,
+        progress=40 if status is ProviderStatus.RUNNING else None,
+    )
+
+
+async def waiting_for_a_lock(db: Database) -> bool:
+    async with db.connection() as conn:
+        return bool(
+            await conn.fetchval(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                " AND datname = current_database())"
+            )
+        )
+
+
+async def race(
+    db: Database, late: Callable[[StateService, Observation], Awaitable[ApplyResult]]
+) -> tuple[ApplyResult, str | None, int | None]:
+    state = StateService(db)
+    project = await make_project(db)
+    _, attempt = await make_task(store(db, state), project)
+    for seq, status in ((1, ProviderStatus.QUEUED), (2, ProviderStatus.RUNNING)):
+        await state.apply(webhook(attempt, status, seq))
+    async with db.transaction() as conn:
+        await state.apply_in(conn, webhook(attempt, ProviderStatus.SUCCEEDED, 4))
+        waiter = asyncio.create_task(late(state, webhook(attempt, ProviderStatus.RUNNING, 3)))
+        for _ in range(400):
+            if await waiting_for_a_lock(db):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the late writer never waited for the task's lock")
+    result = await waiter
+    async with db.connection() as conn:
+        row = await conn.fetchrow(
+            "SELECT provider_status, last_provider_seq FROM task_attempts WHERE id = $1", attempt
+        )
+    assert row is not None
+    return result, row["provider_status"], row["last_provider_seq"]
+
+
+async def test_one_write_that_waited_sees_the_committed_attempt(db: Database) -> None:
+    result, status, seq = await race(db, lambda state, obs: state.apply(obs))
+    assert (result.outcome, result.reason) == (Outcome.IGNORED, Reason.AFTER_TERMINAL)
+    assert (status, seq) == ("succeeded", 4)
+
+
+async def test_a_batch_that_waited_sees_the_committed_attempt(db: Database) -> None:
+    async def batch(state: StateService, obs: Observation) -> ApplyResult:
+        (result,) = await state.apply_many([obs])
+        return result
+
+    result, status, seq = await race(db, batch)
+    assert (result.outcome, result.reason) == (Outcome.IGNORED, Reason.AFTER_TERMINAL)
+    assert (status, seq) == ("succeeded", 4)
