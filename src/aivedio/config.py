@@ -128,6 +128,14 @@ class Settings(BaseSettings):
     # these; the tests give each session its own).
     bus_stream: str = Field(default="AIVEDIO", pattern=r"^[A-Za-z0-9_-]{1,64}$")
     bus_subject_prefix: str = Field(default="aivedio", pattern=r"^[a-z0-9_-]{1,64}$")
+    # Leases: how long a claim keeps work away from the other replicas; a replica that dies or
+    # freezes holding one delays that work by this much (aivedio chaos runs with short ones).
+    inbox_lease_s: float = Field(default=60.0, gt=0)
+    poll_lease_s: float = Field(default=30.0, gt=0)
+    submit_lease_s: float = Field(default=120.0, gt=0)
+    cancel_lease_s: float = Field(default=60.0, gt=0)
+    media_lease_s: float = Field(default=60.0, gt=0)
+    bus_ack_wait_s: float = Field(default=30.0, gt=0)  # an unacked delivery comes back after it
     poll_limits: str = ""
     poll_replicas: int = 1
     poll_concurrency: int = 64
@@ -237,6 +245,7 @@ class Settings(BaseSettings):
             replicas=self.bus_replicas,
             stream=self.bus_stream,
             subject_prefix=self.bus_subject_prefix,
+            ack_wait_s=self.bus_ack_wait_s,
         )
 
     @property

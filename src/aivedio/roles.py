@@ -39,6 +39,7 @@ from aivedio.providers.base import ProviderAdapter
 from aivedio.providers.registry import build_providers, providers_config
 from aivedio.runtime import Runtime, resolve_urls
 from aivedio.services.embedded import ServiceUrls
+from aivedio.submission.config import CancelConfig, SubmitterConfig
 from aivedio.submission.role import reconciler_loops, submitter_loops
 from aivedio.web import web_routes
 
@@ -78,7 +79,9 @@ async def _with_adapters(
 
 
 async def _submitter(rt: Runtime) -> RoleParts:
-    return await _with_adapters(rt, lambda a: submitter_loops(rt.db, rt.state, a))
+    submit = SubmitterConfig(lease_s=rt.settings.submit_lease_s)
+    cancel = CancelConfig(lease_s=rt.settings.cancel_lease_s)
+    return await _with_adapters(rt, lambda a: submitter_loops(rt.db, rt.state, a, submit, cancel))
 
 
 async def _reconciler(rt: Runtime) -> RoleParts:

@@ -89,6 +89,7 @@ def test_wrong_final_states_follow_the_providers_truth() -> None:
         TaskOutcome("b", "p", "failed", "failed", 5),
         TaskOutcome("c", "p", "succeeded", "processing_media", 8),
         TaskOutcome("d", "p", None, "queued", 2),
+        TaskOutcome("e", "p", "succeeded", "failed", 6, flagged=True),  # for an operator
     ]
     assert [t.task_id for t in wrong_final_states(tasks)] == ["c", "d"]
 

@@ -28,14 +28,22 @@ class TaskOutcome:
     provider_status: str | None  # the sandbox's stored (true) status of the generation
     status: str  # the task's status in aivedio at the end
     version: int
+    flagged: bool = False  # an open contradictory-terminal reconciliation item names the task
 
 
 def wrong_final_states(tasks: Iterable[TaskOutcome]) -> list[TaskOutcome]:
-    """Tasks whose final status is not the one the provider's truth implies."""
+    """Tasks whose final status is not the one the provider's truth implies, and that no open
+    reconciliation item flags.
+
+    A provider that contradicts itself (``contradictory_terminal``: ``failed`` with the next
+    sequence after ``succeeded``, or the reverse) may be believed in the wrong order: the later
+    sequence wins, and the task keeps the terminal it reached first; the contradiction opens a
+    reconciliation item for an operator instead of overwriting a terminal state (seed 004).
+    Such a task is flagged, not wrong; one that is wrong and unflagged is a violation."""
     wrong = []
     for task in tasks:
         expected = PROVIDER_TO_TASK.get(task.provider_status or "")
-        if expected is None or task.status != expected:
+        if (expected is None or task.status != expected) and not task.flagged:
             wrong.append(task)
     return wrong
 

@@ -69,6 +69,14 @@ KNOBS: dict[str, Any] = {
 CLUSTER_ENV = {
     "AIVEDIO_GATEWAY_TAILCHECK_S": "2",
     "AIVEDIO_LOG_LEVEL": "INFO",
+    # every lease and the bus's ack wait shorter than a SIGSTOP (stop_s, 8 s): the frozen
+    # process's work is taken over, and its late writes must be fenced off when it wakes
+    "AIVEDIO_INBOX_LEASE_S": "4",
+    "AIVEDIO_POLL_LEASE_S": "4",
+    "AIVEDIO_SUBMIT_LEASE_S": "4",
+    "AIVEDIO_CANCEL_LEASE_S": "4",
+    "AIVEDIO_MEDIA_LEASE_S": "4",
+    "AIVEDIO_BUS_ACK_WAIT_S": "4",
 }
 
 
@@ -337,7 +345,9 @@ async def _outcomes(
     rows = {
         str(r["id"]): r
         for r in await conn.fetch(
-            "SELECT id, status, version FROM generation_tasks WHERE id = ANY($1::uuid[])",
+            "SELECT id, status, version, EXISTS (SELECT 1 FROM reconciliation_items i"
+            " WHERE i.task_id = t.id AND i.state = 'open' AND i.kind = 'contradictory_terminal')"
+            " AS flagged FROM generation_tasks t WHERE id = ANY($1::uuid[])",
             [uuid.UUID(t.task_id) for t in run.created],
         )
     }
@@ -351,6 +361,7 @@ async def _outcomes(
                 await _truth(sandbox, conn, task),
                 str(row["status"]),
                 int(row["version"]),
+                bool(row["flagged"]),
             )
         )
     return outcomes
@@ -604,10 +615,16 @@ async def _report(
     counts["not_converged"] = 0 if converged_s is not None else 1
     ok = not any(counts.values())
     _print_table(run, counts, clients, converged_s, webhooks)
+    wrong = invariants.wrong_final_states(outcomes)
     return {
         "ok": ok,
         **counts,
         "convergence_s": round(converged_s, 1) if converged_s is not None else None,
+        "flagged_for_reconciliation": sum(o.flagged for o in outcomes),
+        "wrong_tasks": [
+            {"task_id": o.task_id, "status": o.status, "provider_status": o.provider_status}
+            for o in wrong
+        ],
         "seed": run.config.seed,
         "tasks": len(run.created),
         "faults": [f"{f.kind}: {what}" for f, what in run.faults_done],

@@ -722,7 +722,13 @@ async def inbox_role(rt: Runtime) -> RoleParts:
     from aivedio.providers.registry import build_providers, providers_config
 
     adapters = build_providers(providers_config(rt.settings))
-    processor = InboxProcessor(rt.db, rt.state, adapters, on_applied=rt.wakeups.outbox.fire)
+    processor = InboxProcessor(
+        rt.db,
+        rt.state,
+        adapters,
+        InboxConfig(lease_s=rt.settings.inbox_lease_s),
+        on_applied=rt.wakeups.outbox.fire,
+    )
 
     async def loop(stopping: asyncio.Event) -> None:
         rt.wakeups.inbox.subscribe(processor.idle.kick)

@@ -27,7 +27,7 @@ from aivedio.storage.filesystem import FileSystemObjectStore, FileSystemStoreCon
 async def media_role(
     rt: Runtime, config: MediaConfig | None = None, bus_config: BusConfig | None = None
 ) -> RoleParts:
-    config = config or MediaConfig()
+    config = config or MediaConfig(lease_s=rt.settings.media_lease_s)
     settings = rt.settings
     store = media_store(rt)
 

@@ -26,7 +26,9 @@ from aivedio.runtime import Runtime
 def poller_config(settings: Settings) -> PollerConfig:
     """The poller's config from the settings (fields read only when the settings have them)."""
     limits = parse_limits(settings.poll_limits, RateLimitConfig(replicas=settings.poll_replicas))
-    return PollerConfig(concurrency=settings.poll_concurrency, limits=limits)
+    return PollerConfig(
+        concurrency=settings.poll_concurrency, limits=limits, lease_s=settings.poll_lease_s
+    )
 
 
 async def poller_role(rt: Runtime, config: PollerConfig | None = None) -> RoleParts:
