@@ -268,10 +268,19 @@ async def test_callback_before_submit_response_maps_by_client_request_id(env: En
     assert await drain(env.processor()) == 1
     assert await env.status(task_id) == "provider_queued"
     async with env.db.connection() as conn:
-        recorded = await conn.fetchval(
-            "SELECT provider_task_id FROM task_attempts WHERE id = $1", attempt_id
+        recorded = await conn.fetchrow(
+            "SELECT a.provider_task_id, a.next_poll_at IS NOT NULL AS polled, i.state"
+            " FROM task_attempts a JOIN submit_intents i ON i.attempt_id = a.id WHERE a.id = $1",
+            attempt_id,
         )
-    assert recorded == "gen_early"
+    assert recorded is not None
+    assert recorded["provider_task_id"] == "gen_early"
+    # polled from now on, and the submit intent settled: the provider evidently took the submit
+    # (found by aivedio chaos: a submit that failed after the provider accepted it left the
+    # intent pending, never claimed again once the task left `created`, and the attempt
+    # unpolled, so a dropped terminal webhook left the task running forever)
+    assert recorded["polled"]
+    assert recorded["state"] == "accepted"
     # the next callback names only the provider id: mapped by it now
     await env.post_sandbox(generation("gen_early", "succeeded", 2))
     await drain(env.processor())

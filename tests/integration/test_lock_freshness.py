@@ -1,10 +1,16 @@
-"""A writer that waited for a task's lock decides on the task AND the attempt as the lock's
+"""Lock order and lock freshness of the writers of a task.
+
+A writer that waited for a task's lock decides on the task AND the attempt as the lock's
 previous holder committed them, never on an attempt read before the wait.
 
 Found by ``aivedio chaos``: two inbox processors, one applying a provider's ``succeeded``
 (sequence 4) while the other waited for the task row with a late ``running`` (sequence 3); the
 waiter's attempt columns were the ones from before the wait, so ``running`` passed the sequence
 check and its attempt change overwrote ``succeeded``.
+
+Every writer takes the task row before the attempt row (an event updates its attempt), so the
+submit response and a webhook of the same attempt never deadlock (also found by chaos: the
+submitter recorded the provider task id on the attempt before it locked the task).
 """
 
 from __future__ import annotations
@@ -14,9 +20,12 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 from aivedio.db.pool import Database
+from aivedio.db.queries import q
 from aivedio.domain.observation import Observation, ProviderObservation, ProviderStatus, Source
 from aivedio.domain.transitions import Outcome, Reason
+from aivedio.providers.base import SubmitResult
 from aivedio.state.service import ApplyResult, StateService
+from aivedio.submission.submitter import Claimed, Submitter
 from tests.integration.helpers import make_project, make_task, store
 
 
@@ -81,3 +90,51 @@ async def test_a_batch_that_waited_sees_the_committed_attempt(db: Database) -> N
     result, status, seq = await race(db, batch)
     assert (result.outcome, result.reason) == (Outcome.IGNORED, Reason.AFTER_TERMINAL)
     assert (status, seq) == ("succeeded", 4)
+
+
+async def test_a_submit_response_and_a_webhook_of_one_attempt_do_not_deadlock(
+    db: Database,
+) -> None:
+    state = StateService(db)
+    project = await make_project(db)
+    task_id, attempt = await make_task(store(db, state), project)
+    async with db.connection() as conn:
+        crid = await conn.fetchval(
+            "SELECT client_request_id FROM task_attempts WHERE id = $1", attempt
+        )
+    submitter = Submitter(db, state, {})
+    claimed = Claimed(
+        attempt_id=attempt,
+        task_id=task_id,
+        tries=1,
+        maybe_sent=False,
+        previous_state="pending",
+        provider="sandbox",
+        model="m1",
+        client_request_id=crid,
+        prompt="a cat",
+        params={},
+        trace_id=None,
+        token=uuid.uuid4(),
+    )
+    # The webhook's transaction, as the inbox processor runs it: the task first ...
+    async with db.transaction() as conn:
+        await conn.execute(q("lock_task_for_attempt"), attempt)
+        response = asyncio.create_task(
+            submitter._accepted(claimed, SubmitResult(provider_task_id="gen_dl"))
+        )
+        for _ in range(400):
+            if await waiting_for_a_lock(db):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the submit response never waited for the task's lock")
+        # ... then its event, which updates the attempt row
+        await state.apply_in(conn, webhook(attempt, ProviderStatus.QUEUED, 1))
+    await response  # a deadlock would have failed one of the two
+    async with db.connection() as conn:
+        row = await conn.fetchrow(
+            "SELECT provider_task_id, provider_status FROM task_attempts WHERE id = $1", attempt
+        )
+    assert row is not None
+    assert (row["provider_task_id"], row["provider_status"]) == ("gen_dl", "queued")

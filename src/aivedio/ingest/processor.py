@@ -26,7 +26,9 @@ Mapping
     To the attempt by the callback token's attempt id (unsigned providers: the only
     authenticated id), else by ``(provider, provider_task_id)``, else by ``(provider,
     client_request_id)`` — a callback that came before the submit response; the attempt then
-    gets its ``provider_task_id`` in the same transaction.
+    gets its ``provider_task_id`` in the same transaction, is scheduled for polling, and its
+    submit intent, if waiting for a retry, is accepted (the callback proves the provider took the
+    submit, whose own response may never come).
 Unsigned providers (``needs_refetch_on_callback``, or ``payload_authenticated = false``)
     The body is only a hint: the processor queries the job (``adapter.query``) by the id WE
     recorded for the attempt (the body's id only when we have none yet, and then the job must
@@ -575,9 +577,9 @@ class InboxProcessor:
                 result = await self.state.apply_in(conn, ready.obs)
                 if ready.teaches_task_id:
                     await conn.execute(
-                        q("attempt_record_provider_task_id"),
-                        ready.attempt.id,
-                        ready.state.provider_task_id,
+                        q("attempt_record_provider_task_ids"),
+                        [ready.attempt.id],
+                        [ready.state.provider_task_id],
                     )
                 await conn.execute(q("inbox_finish"), row["id"])
             self._committed([result])

@@ -253,8 +253,12 @@ class Submitter:
         )
         try:
             async with self.db.transaction() as conn:
-                # Lock order everywhere: intent, attempt, task (the cancel worker's too).
+                # Lock order everywhere: intent, task, attempt. The task row before the attempt
+                # row, as the state service takes them (every event updates its attempt): with
+                # the attempt first, a webhook applied meanwhile (callback before the submit
+                # response) deadlocked with this transaction in an aivedio chaos run.
                 await conn.execute(q("submit_intent_accepted"), c.attempt_id)
+                await conn.execute(q("lock_task_for_attempt"), c.attempt_id)
                 recorded = await conn.fetchval(
                     q("record_provider_task_id"), c.attempt_id, result.provider_task_id, first_poll
                 )

@@ -85,15 +85,31 @@ JOIN task_attempts a ON a.provider = k.provider AND a.client_request_id = k.clie
 JOIN generation_tasks t ON t.id = a.task_id
 
 -- name: attempt_record_provider_task_ids
--- attempt_record_provider_task_id for a batch: $1 attempt ids, $2 provider task ids.
-UPDATE task_attempts AS a SET provider_task_id = v.provider_task_id, updated_at = now()
-FROM unnest($1::uuid[], $2::text[]) AS v (id, provider_task_id)
-WHERE a.id = v.id AND a.provider_task_id IS NULL
-
--- name: attempt_record_provider_task_id
--- A callback that arrived before the submit response taught us the provider's id for the job.
-UPDATE task_attempts SET provider_task_id = $2, updated_at = now()
-WHERE id = $1 AND provider_task_id IS NULL
+-- Callbacks that arrived before the submit response taught attempts ($1) their provider's ids
+-- ($2). Such a callback names the attempt's client_request_id and is authentic: the provider
+-- accepted the submit. So the attempt is also scheduled for polling (the submitter does it when
+-- the response comes, which may be never: the submit may have failed after the provider
+-- accepted it, and a task that moved on from `created` is not submitted again), and its intent,
+-- if still waiting for a retry, is accepted. SKIP LOCKED on the intent: a submitter that holds
+-- it settles it itself, and the lock order (intent before task) forbids waiting for it here.
+WITH taught AS (
+    UPDATE task_attempts AS a
+    SET provider_task_id = v.provider_task_id,
+        next_poll_at = COALESCE(a.next_poll_at, now() + interval '30 seconds'),
+        updated_at = now()
+    FROM unnest($1::uuid[], $2::text[]) AS v (id, provider_task_id)
+    WHERE a.id = v.id AND a.provider_task_id IS NULL
+    RETURNING a.id
+), waiting AS (
+    SELECT i.attempt_id FROM submit_intents i
+    WHERE i.attempt_id IN (SELECT id FROM taught) AND i.state = 'pending'
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE submit_intents i
+SET state = 'accepted', lease_until = NULL, lease_token = NULL, last_error_code = NULL,
+    updated_at = now()
+FROM waiting
+WHERE i.attempt_id = waiting.attempt_id
 
 -- name: inbox_dead_letters
 SELECT id, provider, dedup_key, provider_task_id, client_request_id, event_type, received_at,
