@@ -132,9 +132,11 @@ class Env:
             media_config(**kw),
         )
 
-    async def generated(self) -> tuple[uuid.UUID, uuid.UUID]:
-        """A task whose sandbox generation really succeeded, at ``provider_succeeded``."""
-        task_id, attempt = await make_task(store(self.db, self.state), self.project, params=FAST)
+    async def generated(self, outcome: str = "succeeded") -> tuple[uuid.UUID, uuid.UUID]:
+        """A task at ``provider_succeeded`` whose sandbox generation really ended ``outcome``
+        (``failed``: a provider that contradicted its own success)."""
+        params = {"sandbox": {**FAST["sandbox"], "outcome": outcome}}
+        task_id, attempt = await make_task(store(self.db, self.state), self.project, params=params)
         async with self.db.connection() as conn:
             request_id = await conn.fetchval(
                 "SELECT client_request_id FROM task_attempts WHERE id = $1", attempt
@@ -143,7 +145,7 @@ class Env:
         client = self.sandbox.client
         created = await client.post(
             f"{self.sandbox.url}/v1/generations",
-            json={"model": "m1", "prompt": "a cat", "params": FAST},
+            json={"model": "m1", "prompt": "a cat", "params": params},
             headers={**auth, "Idempotency-Key": request_id},
         )
         gen = created.json()["id"]
@@ -154,7 +156,7 @@ class Env:
 
         async def done() -> bool:
             r = await client.get(f"{self.sandbox.url}/v1/generations/{gen}", headers=auth)
-            return bool(r.json()["status"] == "succeeded")
+            return bool(r.json()["status"] == outcome)
 
         await eventually(done, what="the sandbox generation")
         await apply_all(
@@ -166,9 +168,9 @@ class Env:
         )
         return task_id, attempt
 
-    async def queued(self) -> tuple[uuid.UUID, uuid.UUID]:
+    async def queued(self, outcome: str = "succeeded") -> tuple[uuid.UUID, uuid.UUID]:
         """A generated task with its media operation created (as the consumer would)."""
-        task_id, attempt = await self.generated()
+        task_id, attempt = await self.generated(outcome)
         await MediaConsumer(self.db).handle(self.event(task_id, attempt))
         return task_id, attempt
 
@@ -343,6 +345,22 @@ async def test_transient_provider_failure_is_retried(env: Env, tmp_path: Path) -
     assert (await env.task(task_id))["status"] == "processing_media"
     assert await worker.run_once() == 1
     await assert_published(env, task_id, tmp_path)
+
+
+async def test_a_provider_that_withdrew_its_success_fails_the_task_without_retry(
+    env: Env,
+) -> None:
+    """Found by aivedio chaos: a provider sent ``succeeded`` with a higher sequence than its real
+    ``failed`` (the contradictory_terminal knob); the task went to media, whose queries then
+    answered "failed" and which retried "no output" for minutes. Now the first run fails it."""
+    task_id, _ = await env.queued(outcome="failed")
+    worker = env.worker()
+    assert await worker.run_once() == 1
+    (operation,) = await env.operations(task_id)
+    assert (operation["state"], operation["tries"]) == ("failed", 1)
+    task = await env.task(task_id)
+    assert (task["status"], task["error_code"]) == ("failed", "generation_failed")
+    assert await worker.run_once() == 0
 
 
 async def test_corrupt_output_fails_with_media_failed_without_retry(env: Env) -> None:

@@ -90,8 +90,9 @@ def test_wrong_final_states_follow_the_providers_truth() -> None:
         TaskOutcome("c", "p", "succeeded", "processing_media", 8),
         TaskOutcome("d", "p", None, "queued", 2),
         TaskOutcome("e", "p", "succeeded", "failed", 6, flagged=True),  # for an operator
+        TaskOutcome("f", "p", "failed", "processing_media", 7, flagged=True),  # but not stuck
     ]
-    assert [t.task_id for t in wrong_final_states(tasks)] == ["c", "d"]
+    assert [t.task_id for t in wrong_final_states(tasks)] == ["c", "d", "f"]
 
 
 @given(st.integers(1, 100), st.floats(0, 1))

@@ -39,12 +39,17 @@ def wrong_final_states(tasks: Iterable[TaskOutcome]) -> list[TaskOutcome]:
     sequence after ``succeeded``, or the reverse) may be believed in the wrong order: the later
     sequence wins, and the task keeps the terminal it reached first; the contradiction opens a
     reconciliation item for an operator instead of overwriting a terminal state (seed 004).
-    Such a task is flagged, not wrong; one that is wrong and unflagged is a violation."""
+    Such a task is flagged, not wrong, once it is final; one that is wrong and unflagged, or
+    flagged but not final, is a violation."""
     wrong = []
+    finals = set(PROVIDER_TO_TASK.values())
     for task in tasks:
         expected = PROVIDER_TO_TASK.get(task.provider_status or "")
-        if (expected is None or task.status != expected) and not task.flagged:
-            wrong.append(task)
+        if expected is not None and task.status == expected:
+            continue
+        if task.flagged and task.status in finals:
+            continue
+        wrong.append(task)
     return wrong
 
 

@@ -6,6 +6,9 @@
   URL; retried; ``output_expired`` when the tries run out.
 - ``OutputUnavailable``: the provider has no output for the job right now: retried;
   ``output_expired`` when the tries run out.
+- ``OutputWithdrawn``: the provider now says the job failed or was canceled (a provider that
+  contradicted its own success): it has no output and never will: fail now with
+  ``generation_failed`` (the contradiction itself is a reconciliation item already).
 - ``TransientMediaError``: network error, timeout, 408/429/5xx, object store I/O: retried with
   backoff; its ``public_code`` when the tries run out.
 - ``Superseded``: the task moved on (terminal, or another attempt): stop, no observation.
@@ -54,6 +57,12 @@ class OutputUnavailable(RetryableMediaError):
     """The provider reports no output for the job (not succeeded, or not found)."""
 
     public_code = "output_expired"
+
+
+class OutputWithdrawn(MediaRejected):
+    """The provider reports the job failed or canceled: retrying cannot bring an output."""
+
+    public_code = "generation_failed"
 
 
 class Superseded(MediaError):

@@ -28,7 +28,8 @@ class OutputRef:
 class OutputLocator(Protocol):
     async def fresh_output(self, provider: str, provider_task_id: str) -> OutputRef:
         """A freshly signed output URL of a succeeded job. Raises ``OutputUnavailable`` when
-        the provider has no output for it, ``TransientFetchError`` when the query failed."""
+        the provider has no output for it (yet), ``OutputWithdrawn`` when it now says the job
+        failed or was canceled, ``TransientFetchError`` when the query failed."""
         ...
 
 

@@ -13,7 +13,7 @@ from urllib.parse import quote
 
 import httpx
 
-from aivedio.media.errors import OutputUnavailable, TransientFetchError
+from aivedio.media.errors import OutputUnavailable, OutputWithdrawn, TransientFetchError
 from aivedio.media.locator import OutputRef
 
 __all__ = ["SandboxLocatorConfig", "SandboxOutputLocator"]
@@ -49,9 +49,13 @@ class SandboxOutputLocator:
             raise TransientFetchError(f"provider query answered {response.status_code}")
         try:
             body: Any = response.json()
-            output = body.get("output") if body.get("status") == "succeeded" else None
+            status = body.get("status")
+            output = body.get("output") if status == "succeeded" else None
         except (ValueError, AttributeError):
             raise TransientFetchError("provider query answered malformed JSON") from None
+        if status in ("failed", "canceled"):
+            # The provider contradicted the success the task was moved on by: no output, ever.
+            raise OutputWithdrawn(f"the provider now reports the job {status}")
         if not isinstance(output, dict) or not isinstance(output.get("url"), str):
             raise OutputUnavailable("the provider job has no output")
         return OutputRef(
