@@ -65,6 +65,7 @@ from aivedio.bench.e2e_run import Knobs, ScenarioFigures, Target, run_scenario, 
 from aivedio.bench.e2e_schedule import parse_rates, per_task_limit, plan_tasks
 from aivedio.config import Settings
 from aivedio.runtime import resolve_urls
+from aivedio.services.embedded import ServiceUrls
 
 SANDBOX_KEY = "sk-bench-e2e"
 
@@ -88,6 +89,8 @@ class E2EOptions:
     """1: one process per background role besides the HTTP processes."""
     naive: int = 1
     """1: measure the naive reference too."""
+    aivedio: int = 1
+    """0: the naive reference only (a quick look at the instrument and the machine)."""
     connections: int = 64
     """Load-generator connections (one webhook in flight each)."""
     clients_per_project: int = 1
@@ -165,25 +168,9 @@ async def _main(
         async with scratch_database(database_url(settings), "aivedio_bench_e2e") as db_url:
             conn = await asyncpg.connect(db_url)
             try:
-                async with private_bus(urls, run_dir / "services", opts.bus == "private") as nats:
-                    port, sandbox_port = free_port(), free_port()
-                    env = _env(settings, opts, db_url, urls.redis_url, nats, secret, run_dir)
-                    env["AIVEDIO_SANDBOX_URL"] = f"http://127.0.0.1:{sandbox_port}"
-                    deployment = Deployment(port, sandbox_port, env, run_dir)
-                    try:
-                        await deployment.start_sandbox()
-                        await deployment.start(opts.processes, bool(opts.split))
-                        say(f"deployment up: {[name for name, _ in deployment.procs]}")
-                        figures["layout"] = [name for name, _ in deployment.procs]
-                        meter = _meter(conn, urls.redis_url, nats, deployment)
-                        for scenario in scenarios:
-                            target = await _aivedio_target(
-                                conn, deployment, meter, opts, scenario, tasks, secret
-                            )
-                            ran = await _run(target, rates, knobs, "aivedio", scenario)
-                            figures["aivedio"][scenario] = ran
-                    finally:
-                        await deployment.stop()
+                if opts.aivedio:
+                    await _aivedio(settings, opts, urls, conn, db_url, secret, run_dir,
+                                   rates, knobs, scenarios, tasks, figures)  # fmt: skip
                 if opts.naive:
                     for scenario in scenarios:
                         figures["naive"][scenario] = await _naive(
@@ -196,6 +183,41 @@ async def _main(
         if not opts.keep_logs:
             shutil.rmtree(run_dir, ignore_errors=True)
     return figures
+
+
+async def _aivedio(
+    settings: Settings,
+    opts: E2EOptions,
+    urls: ServiceUrls,
+    conn: asyncpg.Connection,
+    db_url: str,
+    secret: str,
+    run_dir: Path,
+    rates: list[float],
+    knobs: Knobs,
+    scenarios: list[str],
+    tasks: int,
+    figures: dict[str, Any],
+) -> None:
+    """The deployment up, every scenario through the ramp, the deployment down."""
+    async with private_bus(urls, run_dir / "services", opts.bus == "private") as nats:
+        port, sandbox_port = free_port(), free_port()
+        env = _env(settings, opts, db_url, urls.redis_url, nats, secret, run_dir)
+        env["AIVEDIO_SANDBOX_URL"] = f"http://127.0.0.1:{sandbox_port}"
+        deployment = Deployment(port, sandbox_port, env, run_dir)
+        try:
+            await deployment.start_sandbox()
+            await deployment.start(opts.processes, bool(opts.split))
+            figures["layout"] = [name for name, _ in deployment.procs]
+            say(f"deployment up: {figures['layout']}")
+            meter = _meter(conn, urls.redis_url, nats, deployment)
+            for scenario in scenarios:
+                target = await _aivedio_target(
+                    conn, deployment, meter, opts, scenario, tasks, secret
+                )
+                figures["aivedio"][scenario] = await _run(target, rates, knobs, "aivedio", scenario)
+        finally:
+            await deployment.stop()
 
 
 def _env(

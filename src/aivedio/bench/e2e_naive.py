@@ -80,9 +80,13 @@ def create_app(database_url: str, redis_url: str, channel: str, secret: str) -> 
             await conn.execute(TABLE)
         state["db"] = pool
         state["redis"] = aioredis.Redis.from_url(redis_url)
+        # Each stream holds a connection for its subscription: a pool of their own, so that
+        # a hundred streams do not exhaust the publishers' (redis-py: MaxConnectionsError).
+        state["subscribers"] = aioredis.Redis.from_url(redis_url, max_connections=100_000)
         try:
             yield
         finally:
+            await state["subscribers"].aclose()
             await state["redis"].aclose()
             await pool.close()
 
@@ -115,7 +119,7 @@ def create_app(database_url: str, redis_url: str, channel: str, secret: str) -> 
         project_id = request.path_params["project_id"]
 
         async def stream() -> AsyncIterator[bytes]:
-            pubsub = state["redis"].pubsub()
+            pubsub = state["subscribers"].pubsub()
             await pubsub.subscribe(f"{channel}:{project_id}")
             try:
                 yield b": start 0-0\n\n"
