@@ -3,9 +3,11 @@ the signed requests, and the SSE client's frame parser."""
 
 from __future__ import annotations
 
+import array as arr
 import asyncio
 import itertools
 import math
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -14,7 +16,7 @@ from standardwebhooks import Webhook
 
 from aivedio.bench.common import percentile
 from aivedio.bench.e2e_clients import _Client, _Reader
-from aivedio.bench.e2e_load import Generation, build_requests
+from aivedio.bench.e2e_load import Generation, LoadResult, _Sender, build_requests
 from aivedio.bench.e2e_report import at_rate
 from aivedio.bench.e2e_run import StepFigures
 from aivedio.bench.e2e_schedule import (
@@ -180,3 +182,53 @@ def test_sse_parser_reads_frames_timing_and_chunked_bodies() -> None:
         assert reader.arrived == 2 and not reader.expected
     finally:
         loop.close()
+
+
+def test_sender_retries_a_refused_webhook_and_a_closed_connection_like_the_sandbox() -> None:
+    """The load generator's pool resends a webhook answered non-2xx, or whose connection the
+    server closed before answering, with the sandbox's backoff; answers are matched in order."""
+
+    async def go() -> tuple[LoadResult, list[bytes]]:
+        seen: list[bytes] = []
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while not reader.at_eof():
+                try:
+                    line = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    break
+                seen.append(line.split(b"\r\n")[0])
+                if len(seen) == 1:
+                    writer.write(b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\n\r\n")
+                elif len(seen) == 2:
+                    writer.close()  # closed with the request in flight: no answer
+                    return
+                else:
+                    writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+                await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        sender = _Sender(port, 1)
+        await sender.ensure(1)
+        n = 3
+        nan = arr.array("d", [math.nan]) * n
+        sender.result = LoadResult(
+            arr.array("d", [0.0]) * n, arr.array("d", nan), arr.array("d", nan),
+            arr.array("i", [0]) * n, 0.0, 0.0,
+        )  # fmt: skip
+        requests = [b"POST /r%d HTTP/1.1\r\nhost: x\r\n\r\n" % i for i in range(n)]
+        await asyncio.wait_for(sender.run(requests, 1000.0, time.time(), 10), 20)
+        for conn in sender.conns:
+            if conn.transport is not None:
+                conn.transport.close()
+        await asyncio.sleep(0.05)
+        server.close()
+        await server.wait_closed()
+        return sender.result, seen
+
+    result, seen = asyncio.run(go())
+    assert list(result.status) == [204, 204, 204]
+    assert result.retried == 2
+    assert seen.count(b"POST /r0 HTTP/1.1") == 2  # refused once, then accepted

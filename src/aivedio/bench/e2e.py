@@ -57,6 +57,7 @@ from aivedio.bench.e2e_deploy import (
     listening_pid,
     private_bus,
     wait_http,
+    wait_polled,
     wait_submitted,
 )
 from aivedio.bench.e2e_load import Generation
@@ -102,8 +103,10 @@ class E2EOptions:
     queue more)."""
     settle_s: float = 120.0
     """Longest wait for a step's frames, and for the chain to drain before the next step."""
-    quiet_s: float = 5.0
-    """A step ends when nothing arrived for this long after its last send."""
+    quiet_s: float = 12.0
+    """A step missing frames ends when nothing arrived for this long after its last send:
+    longer than the gateway's tail check (AIVEDIO_GATEWAY_TAILCHECK_S, 5 s), which brings a
+    frame whose Redis message was lost."""
     bus: str = "private"
     """``private``: a NATS server of the run's own; ``configured``: AIVEDIO_NATS_URL as it is."""
     create_concurrency: int = 32
@@ -182,6 +185,7 @@ async def _main(
     finally:
         if not opts.keep_logs:
             shutil.rmtree(run_dir, ignore_errors=True)
+    figures["load_end"] = os.getloadavg()
     return figures
 
 
@@ -278,6 +282,8 @@ async def _aivedio_target(
     say(f"{len(task_ids)} tasks created through the API in {count} project(s)")
     rows = await wait_submitted(conn, task_ids, 120 + tasks / 20)
     say("every task's generation is at the sandbox, held still")
+    left, waited = await wait_polled(conn, task_ids, 60 + tasks / 40)
+    say(f"the poller's first poll of each task done in {waited:.0f} s ({left} not polled yet)")
     table = []
     for t in task_ids:
         row = rows[t]

@@ -343,3 +343,28 @@ async def chain_backlog(conn: asyncpg.Connection) -> tuple[int, int]:
         "SELECT count(*) FROM outbox_events WHERE publish_status = 'pending'"
     )
     return int(inbox), int(outbox)
+
+
+async def wait_polled(
+    conn: asyncpg.Connection, task_ids: Sequence[str], timeout_s: float
+) -> tuple[int, float]:
+    """Wait until the poller has seen every task once (none is still ``submitted``: its first
+    poll found the generation queued). Returns (tasks still submitted, seconds waited).
+
+    Its first poll of a task is a state change (an event through the whole chain); later polls
+    of a held generation change nothing. Starting the ramp after that wave keeps the poller's
+    events out of the steps' figures."""
+    started = time.monotonic()
+    left = len(task_ids)
+    while time.monotonic() - started < timeout_s:
+        left = int(
+            await conn.fetchval(
+                "SELECT count(*) FROM generation_tasks WHERE id = ANY($1::uuid[])"
+                " AND status = 'submitted'",
+                list(task_ids),
+            )
+        )
+        if left == 0:
+            break
+        await asyncio.sleep(0.5)
+    return left, time.monotonic() - started

@@ -22,8 +22,10 @@ import asyncio
 import contextlib
 import math
 import multiprocessing
+import random
 import time
 from array import array
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -54,6 +56,7 @@ class LoadResult:
     status: array[int]
     cpu_s: float
     build_s: float
+    retried: int = 0  # sends again after a non-2xx answer or a closed connection
 
     def lag_ms(self) -> list[float]:
         return [
@@ -139,7 +142,15 @@ class _Connection(asyncio.Protocol):
         self.buf = buf
 
 
+MAX_ATTEMPTS = 5  # the sandbox's webhook_max_attempts (first try included)
+BACKOFF_S = 0.5  # the sandbox's webhook_backoff_s: retry n waits 0.5 * 2^(n-1) * U(0.8, 1.2)
+
+
 class _Sender:
+    """Sends a step's webhooks over a fixed pool of connections; a webhook answered non-2xx, or
+    whose connection closed before its answer (a keep-alive connection the server closed just
+    as it was written to), is sent again with the sandbox's backoff, as the sandbox would."""
+
     def __init__(self, port: int, target: int) -> None:
         self.port = port
         self.target = target  # connections, as a provider's fixed pool of delivery workers
@@ -148,6 +159,8 @@ class _Sender:
         self.freed = asyncio.Event()
         self.result: LoadResult | None = None
         self.outstanding = 0
+        self.again: deque[int] = deque()  # webhooks whose retry is due
+        self.attempts = array("i")
 
     async def ensure(self, connections: int) -> None:
         loop = asyncio.get_running_loop()
@@ -160,58 +173,78 @@ class _Sender:
             self.conns.append(conn)
             self.idle.append(conn)
 
-    def answered(self, conn: _Connection, status: int) -> None:
+    def _settle(self, i: int, status: int) -> None:
         result = self.result
-        if result is not None and conn.current >= 0:
-            result.answered[conn.current] = time.time()
-            result.status[conn.current] = status
+        if result is None:
+            return
+        if 200 <= status < 300 or self.attempts[i] >= MAX_ATTEMPTS:
+            result.answered[i] = time.time()
+            result.status[i] = status
             self.outstanding -= 1
+            return
+        result.retried += 1
+        delay = BACKOFF_S * 2 ** (self.attempts[i] - 1) * random.uniform(0.8, 1.2)
+        asyncio.get_running_loop().call_later(delay, self._due_again, i)
+
+    def _due_again(self, i: int) -> None:
+        self.again.append(i)
+        self.freed.set()
+
+    def answered(self, conn: _Connection, status: int) -> None:
+        if conn.current >= 0:
+            self._settle(conn.current, status)
         conn.current = -1
         self.idle.append(conn)
         self.freed.set()
 
     def lost(self, conn: _Connection) -> None:
-        if conn.current >= 0 and self.result is not None:
-            self.outstanding -= 1  # status stays 0: no answer
+        if conn.current >= 0:
+            self._settle(conn.current, 0)  # no answer
         conn.current = -1
         with contextlib.suppress(ValueError):
             self.idle.remove(conn)
         self.freed.set()
 
     async def run(self, requests: list[bytes], rate: float, start: float, timeout_s: float) -> None:
-        """Send ``requests[i]`` at ``start + i / rate`` (Unix time), then wait for the answers."""
+        """Send ``requests[i]`` at ``start + i / rate`` (Unix time), retries as they come due,
+        then wait for the last answers (at most ``timeout_s``)."""
         result = self.result
         assert result is not None
         n = len(requests)
+        self.attempts = array("i", [0]) * n
         offset = time.time() - time.perf_counter()
         begin = start - offset  # on the perf_counter clock
+        deadline = math.inf
         i = 0
-        while i < n:
+        while i < n or self.outstanding > 0:
             now = time.perf_counter()
+            if i >= n and deadline == math.inf:
+                deadline = now + timeout_s
+            if now > deadline:
+                break
             due = min(n, math.floor((now - begin) * rate) + 1) if now >= begin else 0
-            while i < due and self.idle:
+            while self.idle and (self.again or i < due):
                 conn = self.idle.pop()
                 if conn.transport is None:
                     continue
-                result.written[i] = time.time()
-                self.outstanding += 1
-                conn.send(i, requests[i])
-                i += 1
-            if i < due:  # every connection busy: wait for an answer
+                if self.again:
+                    j = self.again.popleft()
+                else:
+                    j, i = i, i + 1
+                    result.written[j] = time.time()
+                    self.outstanding += 1
+                self.attempts[j] += 1
+                conn.send(j, requests[j])
+            if i < due or self.again or i >= n:  # wait for a connection, a retry, the answers
                 self.freed.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.freed.wait(), 0.05)
+                    await asyncio.wait_for(self.freed.wait(), 0.05 if i < n else 0.2)
                 if not self.idle and len(self.conns) > sum(
                     c.transport is not None for c in self.conns
                 ):
                     await self.ensure(self.target)  # the server closed some: reopen them
                 continue
             await asyncio.sleep(max(0.0, begin + i / rate - time.perf_counter()))
-        deadline = time.monotonic() + timeout_s
-        while self.outstanding > 0 and time.monotonic() < deadline:
-            self.freed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.freed.wait(), 0.2)
 
 
 async def _serve(pipe: Connection) -> None:

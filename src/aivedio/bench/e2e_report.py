@@ -35,7 +35,7 @@ def _table(system: str, scenario: str, fig: ScenarioFigures, limit_ms: float) ->
     groups = [g for g in GROUPS if any(g in s.cpu_us() for s in fig.steps)]
     print(
         "  asked/s   got/s    p50 ms    p90 ms    p99 ms    max ms  lost (superseded)  "
-        f"sender p99 lag ms  CPU us/event: total {' '.join(groups)}  polls"
+        f"sender p99 lag ms  CPU us/event: total {' '.join(groups)}  polls/s"
     )
     for s in fig.steps:
         cpu = s.cpu_us()
@@ -43,10 +43,9 @@ def _table(system: str, scenario: str, fig: ScenarioFigures, limit_ms: float) ->
         print(
             f"  {s.asked:7.0f} {s.achieved:7.1f} {_f(lat['p50']):>9} {_f(lat['p90']):>9} "
             f"{_f(lat['p99']):>9} {_f(lat['max']):>9}  {s.lost:>5} ({s.superseded})"
-            f"{'' if s.accepted == s.sent else f' non-204 {s.sent - s.accepted}'}"
             f"  {_f(s.sender_lag_p99_ms, 2):>8}  {cpu['total']:7.0f} "
             + " ".join(f"{cpu.get(g, 0.0):.0f}" for g in groups)
-            + f"  {s.polls}"
+            + f"  {s.polls / max(s.window_s, 1e-9):.0f}"
         )
     roles = sorted({k for s in fig.steps for k in s.cpu_s if k.startswith("aivedio-")})
     if len(roles) > 1:
@@ -67,6 +66,18 @@ def _table(system: str, scenario: str, fig: ScenarioFigures, limit_ms: float) ->
                 + "  ".join(f"{c:>17}" for c in cells)
                 + f"  {s.untimed:>7}  {s.ignored or '-'}"
             )
+    for s in fig.steps:
+        notes = []
+        if s.retried:
+            notes.append(
+                f"{s.retried} webhooks sent again (a non-2xx answer or a closed connection)"
+            )
+        if s.refused:
+            notes.append(f"final answers not 204: {s.refused} (0: none)")
+        if s.lost_where:
+            notes.append(f"lost, how far they got: {s.lost_where}")
+        if notes:
+            print(f"  at {s.asked:g}/s: " + "; ".join(notes))
     sat = saturation([s.rate_result() for s in fig.steps], limit_ms)
     print(f"  saturation (p99 <= {limit_ms:g} ms, nothing lost): {_f(sat or math.nan, 0)}/s")
     if fig.stopped:
@@ -83,6 +94,8 @@ def print_figures(figures: dict[str, Any]) -> None:
         f"task's webhooks are tasks/rate s apart and cannot overtake each other"
     )
     print(f"deployment: {len(figures.get('layout', []))} processes: {figures.get('layout')}")
+    start, end = figures["load"], figures.get("load_end", (math.nan,) * 3)
+    print(f"load average (1, 5, 15 min): at the start {start}, at the end {end}")
     for system in ("aivedio", "naive"):
         for scenario, fig in figures[system].items():
             _table(system, scenario, fig, opts["p99_limit_ms"])
@@ -148,6 +161,9 @@ def _steps(fig: ScenarioFigures) -> list[dict[str, Any]]:
             "stages_ms": {k: rounded(v["p50"]) for k, v in s.stages.items()},
             "untimed": s.untimed,
             "ignored": s.ignored,
+            "retried": s.retried,
+            "refused": {str(k): v for k, v in s.refused.items()},
+            "lost_where": s.lost_where,
             "polls": s.polls,
         }
         for s in fig.steps
@@ -180,6 +196,7 @@ def json_figures(figures: dict[str, Any]) -> dict[str, Any]:
     out["tasks"] = {s: fig.tasks for s, fig in ours.items()}
     out["points"] = figures["points"]
     out["load_average"] = [round(x, 2) for x in figures["load"]]
+    out["load_average_end"] = [round(x, 2) for x in figures.get("load_end", ())]
     out["cpus"] = figures["cpus"]
     out["options"] = opts
     return out

@@ -85,7 +85,11 @@ class StepFigures:
     untimed: int = 0  # frames without the gateway's timing line (replayed from PostgreSQL)
     cpu_s: dict[str, float] = field(default_factory=dict)
     polls: int = 0  # sandbox queries during the step (the poller)
+    window_s: float = 0.0  # from the step's start to its CPU snapshot (its last frame)
     ignored: dict[str, int] = field(default_factory=dict)  # webhooks audited, not applied
+    refused: dict[int, int] = field(default_factory=dict)  # final answers that were not 204
+    retried: int = 0  # webhooks sent again (non-2xx answer, connection closed before it)
+    lost_where: dict[str, int] = field(default_factory=dict)  # how far a lost webhook got
     drained_s: float = 0.0
     drained: bool = True
 
@@ -203,6 +207,7 @@ async def _step(
         await asyncio.sleep(0.05)
     after = await target.meter.snapshot()
     figures = StepFigures(asked=step.rate, cpu_s=CpuMeter.seconds(before, after))
+    figures.window_s = time.time() - start
     figures.polls = await _polls(target) - polls
     frames = await clients.collect()
     drain_started = time.monotonic()
@@ -242,6 +247,10 @@ async def _figures(
         highest[key[0]] = max(highest.get(key[0], -1), key[1])
     figures.sent = sum(1 for w in sent.written if not math.isnan(w))
     figures.accepted = sum(1 for s in sent.status if s == 204)
+    figures.retried = sent.retried
+    for status in sent.status:
+        if status != 204:
+            figures.refused[status] = figures.refused.get(status, 0) + 1
     window = max(sent.written, default=0.0) - min(sent.written, default=0.0)
     figures.achieved = (figures.sent - 1) / window if window > 0 and figures.sent > 1 else 0.0
     figures.sender_lag_p99_ms = percentile(sent.lag_ms(), 99)
@@ -284,15 +293,27 @@ async def _stages(
     }
     tasks = sorted({k[0] for k in keys})
     applied = {
-        (r["task_id"], r["task_version"]): r["at"]
+        (r["task_id"], r["progress"]): r["at"]
         for r in await db.fetch(
-            "SELECT task_id::text AS task_id, task_version,"
+            "SELECT task_id::text AS task_id, (public_payload->>'progress')::int AS progress,"
             " extract(epoch FROM created_at)::float8 AS at FROM task_events"
             " WHERE task_id = ANY($1::uuid[]) AND created_at >= to_timestamp($2)",
             tasks,
             min(sent.due, default=time.time()) - 5,
         )
     }
+    for i, at in enumerate(hits):
+        if at is None:  # how far the lost one got
+            where = (
+                "refused"
+                if sent.status[i] != 204
+                else "not stored"
+                if ids[i] not in received
+                else "not applied"
+                if keys[i] not in applied
+                else "applied, no frame"
+            )
+            figures.lost_where[where] = figures.lost_where.get(where, 0) + 1
     figures.ignored = {
         r["reason"]: r["n"]
         for r in await db.fetch(
@@ -311,7 +332,7 @@ async def _stages(
             for name in STAGES[2:]:
                 stamps[name].append(nan)
             continue
-        stamps["applied"].append(applied.get((keys[i][0], frames.version[at]), nan))
+        stamps["applied"].append(applied.get(keys[i], nan))
         stamps["relayed"].append(frames.relayed[at])
         stamps["dispatched"].append(frames.dispatched[at])
         stamps["written"].append(frames.written[at])
