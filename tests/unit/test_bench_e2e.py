@@ -7,6 +7,8 @@ import array as arr
 import asyncio
 import itertools
 import math
+import os
+import socket
 import time
 from collections import defaultdict
 from typing import Any
@@ -16,6 +18,7 @@ from standardwebhooks import Webhook
 
 from aivedio.bench.common import percentile
 from aivedio.bench.e2e_clients import _Client, _Reader
+from aivedio.bench.e2e_deploy import socket_owners
 from aivedio.bench.e2e_load import Generation, LoadResult, _Sender, build_requests
 from aivedio.bench.e2e_report import at_rate
 from aivedio.bench.e2e_run import StepFigures
@@ -232,3 +235,15 @@ def test_sender_retries_a_refused_webhook_and_a_closed_connection_like_the_sandb
     assert list(result.status) == [204, 204, 204]
     assert result.retried == 2
     assert seen.count(b"POST /r0 HTTP/1.1") == 2  # refused once, then accepted
+
+
+def test_sockets_are_attributed_to_the_process_holding_them() -> None:
+    """How each PostgreSQL backend is charged to the aivedio process it serves: by the local
+    port of its client's socket, found in /proc."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        with socket.create_connection(server.getsockname()) as client:
+            port = client.getsockname()[1]
+            assert socket_owners({"me": [os.getpid()]}).get(port) == "me"
+            assert port not in socket_owners({"nobody": []})

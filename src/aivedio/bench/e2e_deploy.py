@@ -141,14 +141,35 @@ def listening_pid(url: str) -> int | None:
     return None
 
 
-async def backend_pids(conn: asyncpg.Connection) -> list[int]:
-    """PostgreSQL processes working for this database (client backends, autovacuum), but for
-    ``conn``'s own, when the server runs on this machine."""
+async def backends(conn: asyncpg.Connection) -> list[tuple[int, int | None]]:
+    """PostgreSQL processes working for this database (client backends, autovacuum) with their
+    client's port, but for ``conn``'s own, when the server runs on this machine."""
     rows = await conn.fetch(
-        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+        "SELECT pid, client_port FROM pg_stat_activity WHERE datname = current_database()"
         " AND pid <> pg_backend_pid()"
     )
-    return [r["pid"] for r in rows if b"postgres" in _cmdline(r["pid"])]
+    return [(r["pid"], r["client_port"]) for r in rows if b"postgres" in _cmdline(r["pid"])]
+
+
+def socket_owners(groups: Mapping[str, Sequence[int]]) -> dict[int, str]:
+    """Local TCP port -> the group whose process holds that socket (for attributing each
+    PostgreSQL backend to the process it serves, by its ``client_port``)."""
+    by_inode: dict[bytes, int] = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table, "rb") as f:
+            for line in f.readlines()[1:]:
+                parts = line.split()
+                by_inode[b"socket:[" + parts[9] + b"]"] = int(parts[1].rsplit(b":", 1)[1], 16)
+    owners: dict[int, str] = {}
+    for name, pids in groups.items():
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    with contextlib.suppress(OSError):
+                        port = by_inode.get(os.readlink(f"/proc/{pid}/fd/{fd}").encode())
+                        if port is not None:
+                            owners[port] = name
+    return owners
 
 
 @dataclass
@@ -159,13 +180,19 @@ class CpuMeter:
     pg: asyncpg.Connection | None = None
 
     async def snapshot(self) -> dict[str, dict[int, int]]:
+        """CPU ticks per pid per group; PostgreSQL's backends go to ``pg:<group>`` of the
+        process they serve (by their client's port), the others to ``postgres``."""
         snap: dict[str, dict[int, int]] = {}
         for name, pids in self.groups.items():
             snap[name] = {p: t for p in pids if (t := cpu_ticks(p)) is not None}
         if self.pg is not None:
-            snap["postgres"] = {
-                p: t for p in await backend_pids(self.pg) if (t := cpu_ticks(p)) is not None
-            }
+            snap["postgres"] = {}
+            owners = socket_owners(self.groups)
+            for pid, port in await backends(self.pg):
+                ticks = cpu_ticks(pid)
+                if ticks is not None:
+                    owner = owners.get(port) if port is not None else None
+                    snap.setdefault(f"pg:{owner}" if owner else "postgres", {})[pid] = ticks
         return snap
 
     @staticmethod

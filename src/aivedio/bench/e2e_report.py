@@ -49,13 +49,13 @@ def _table(system: str, scenario: str, fig: ScenarioFigures, limit_ms: float) ->
         )
     roles = sorted({k for s in fig.steps for k in s.cpu_s if k.startswith("aivedio-")})
     if len(roles) > 1:
-        print(
-            "  CPU us/event per aivedio process: "
-            + ", ".join(r.removeprefix("aivedio-") for r in roles)
-        )
+        names = ", ".join(r.removeprefix("aivedio-") for r in roles)
+        print(f"  CPU us/event per aivedio process ({names}), and of the PostgreSQL backends "
+              "serving it:")  # fmt: skip
         for s in fig.steps:
             cpu = s.cpu_us()
-            print(f"  {s.asked:7.0f}  " + " ".join(f"{cpu.get(r, 0.0):.0f}" for r in roles))
+            cells = [f"{cpu.get(r, 0.0):.0f} (pg {cpu.get('pg:' + r, 0.0):.0f})" for r in roles]
+            print(f"  {s.asked:7.0f}  " + "  ".join(cells))
     if any(s.stages for s in fig.steps):
         print("  where the time goes, p50 (p99) ms per stage:")
         print("  asked/s  " + "  ".join(f"{name:>17}" for name in STAGES) + "  untimed  ignored")

@@ -95,12 +95,14 @@ class StepFigures:
 
     def cpu_us(self) -> dict[str, float]:
         """CPU microseconds per webhook sent, per process group; ``aivedio`` sums the
-        deployment's processes (``aivedio-<n>-<roles>``), ``total`` every process measured."""
+        deployment's processes (``aivedio-<n>-<roles>``), ``postgres`` every backend of the
+        run's database (``pg:<group>``: those serving that process), ``total`` every process."""
         per = {k: v / max(self.sent, 1) * 1e6 for k, v in self.cpu_s.items()}
-        mine = [v for k, v in per.items() if k.startswith("aivedio-")]
         total = sum(per.values())
-        if mine:
-            per["aivedio"] = sum(mine)
+        for name, prefix in (("aivedio", "aivedio-"), ("postgres", "pg:")):
+            parts = [v for k, v in per.items() if k.startswith(prefix)]
+            if parts:
+                per[name] = per.get(name, 0.0) + sum(parts)
         per["total"] = total
         return per
 
