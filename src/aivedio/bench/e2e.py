@@ -110,6 +110,9 @@ class E2EOptions:
     bus: str = "private"
     """``private``: a NATS server of the run's own; ``configured``: AIVEDIO_NATS_URL as it is."""
     create_concurrency: int = 32
+    db_pool_max: int = 0
+    """AIVEDIO_DB_POOL_MAX for every aivedio process (0: as configured, 10 by default). With
+    split=1 the processes' pools add up: keep them under the server's max_connections."""
     idle_s: float = 3.0
     """Before each ramp, the idle CPU of every process is measured over this long."""
     log_level: str = "INFO"
@@ -233,18 +236,22 @@ def _env(
     secret: str,
     run_dir: Path,
 ) -> dict[str, str]:
-    return os.environ | {
-        "AIVEDIO_DATABASE_URL": db_url,
-        "AIVEDIO_REDIS_URL": redis_url,
-        "AIVEDIO_NATS_URL": nats_url,
-        "AIVEDIO_SANDBOX_API_KEY": SANDBOX_KEY,
-        "AIVEDIO_SANDBOX_WEBHOOK_SECRETS": secret,
-        "AIVEDIO_SECRET_KEY": secrets.token_hex(32),
-        "AIVEDIO_DATA_DIR": str(run_dir / "data"),
-        "AIVEDIO_GATEWAY_TIMING": "1",
-        "AIVEDIO_LOG_LEVEL": opts.log_level,
-        "AIVEDIO_COALESCE_MIN_POINTS": str(settings.coalesce_min_points),
-    }
+    return (
+        os.environ
+        | {
+            "AIVEDIO_DATABASE_URL": db_url,
+            "AIVEDIO_REDIS_URL": redis_url,
+            "AIVEDIO_NATS_URL": nats_url,
+            "AIVEDIO_SANDBOX_API_KEY": SANDBOX_KEY,
+            "AIVEDIO_SANDBOX_WEBHOOK_SECRETS": secret,
+            "AIVEDIO_SECRET_KEY": secrets.token_hex(32),
+            "AIVEDIO_DATA_DIR": str(run_dir / "data"),
+            "AIVEDIO_GATEWAY_TIMING": "1",
+            "AIVEDIO_LOG_LEVEL": opts.log_level,
+            "AIVEDIO_COALESCE_MIN_POINTS": str(settings.coalesce_min_points),
+        }
+        | ({"AIVEDIO_DB_POOL_MAX": str(opts.db_pool_max)} if opts.db_pool_max > 0 else {})
+    )
 
 
 def _meter(conn: asyncpg.Connection, redis_url: str, nats_url: str, dep: Deployment) -> CpuMeter:
