@@ -32,7 +32,7 @@ def test_e2e_bench_delivers_every_webhook_as_a_frame(
         f"split={split}",
         f"naive={1 - split}",  # the naive reference once is enough
         "idle_s=0.2",
-        "quiet_s=3",
+        "quiet_s=10",  # only waited for when a frame is missing
         "settle_s=60",
     ]
     out = subprocess.run(
