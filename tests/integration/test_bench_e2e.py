@@ -31,6 +31,7 @@ def test_e2e_bench_delivers_every_webhook_as_a_frame(
         "processes=2",
         f"split={split}",
         f"naive={1 - split}",  # the naive reference once is enough
+        f"bus={'private' if split else 'configured'}",  # the shared NATS, a stream of its own
         "idle_s=0.2",
         "quiet_s=10",  # only waited for when a frame is missing
         "settle_s=60",

@@ -2,7 +2,8 @@
 README runs it, beside the naive reference, on one schedule.
 
 In one invocation, on a scratch database (created, migrated, dropped) and a NATS server of the
-run's own (``bus=private``, see ``e2e_deploy.private_bus``):
+run's own (``bus=private``; ``bus=configured``: a stream of the run's own on AIVEDIO_NATS_URL,
+see ``e2e_deploy.run_bus``):
 
 1. The deployment: the sandbox provider in its own process, and ``aivedio run --role all
    --reuse-port`` once per core (``processes``; ``split=1``: the HTTP roles per core and one
@@ -55,7 +56,7 @@ from aivedio.bench.e2e_deploy import (
     create_tasks,
     free_port,
     listening_pid,
-    private_bus,
+    run_bus,
     wait_http,
     wait_polled,
     wait_submitted,
@@ -108,7 +109,9 @@ class E2EOptions:
     longer than the gateway's tail check (AIVEDIO_GATEWAY_TAILCHECK_S, 5 s), which brings a
     frame whose Redis message was lost."""
     bus: str = "private"
-    """``private``: a NATS server of the run's own; ``configured``: AIVEDIO_NATS_URL as it is."""
+    """``private``: a NATS server of the run's own (its CPU is the run's alone);
+    ``configured``: AIVEDIO_NATS_URL, with a stream and subject prefix of the run's own,
+    deleted afterwards."""
     create_concurrency: int = 32
     db_pool_max: int = 0
     """AIVEDIO_DB_POOL_MAX for every aivedio process (0: as configured, 10 by default). With
@@ -207,9 +210,11 @@ async def _aivedio(
     figures: dict[str, Any],
 ) -> None:
     """The deployment up, every scenario through the ramp, the deployment down."""
-    async with private_bus(urls, run_dir / "services", opts.bus == "private") as nats:
+    tag = uuid.uuid4().hex[:8]
+    async with run_bus(urls, run_dir / "services", opts.bus == "private", tag) as bus:
+        nats = bus.url
         port, sandbox_port = free_port(), free_port()
-        env = _env(settings, opts, db_url, urls.redis_url, nats, secret, run_dir)
+        env = _env(settings, opts, db_url, urls.redis_url, nats, secret, run_dir) | bus.env()
         env["AIVEDIO_SANDBOX_URL"] = f"http://127.0.0.1:{sandbox_port}"
         deployment = Deployment(port, sandbox_port, env, run_dir)
         try:

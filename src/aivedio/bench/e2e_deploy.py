@@ -1,11 +1,11 @@
 """``bench e2e``: the deployment under test, started as the README tells users to run it, and
 the CPU of every process read from ``/proc``.
 
-- ``private_bus``: a NATS server of the run's own (the embedded ``nats-server`` in a temporary
-  data directory) unless ``bus=configured``: ``aivedio run`` always uses the stream ``AIVEDIO``
-  and the durable groups ``dispatcher``, ``media``, ``billing``, so on a shared server the run
-  would leave its messages in everyone's stream and share its consumers with any other
-  deployment (a test's demo) that runs meanwhile.
+- ``run_bus``: the run's own stream and subject prefix (``AIVEDIO_BUS_STREAM``,
+  ``AIVEDIO_BUS_SUBJECT_PREFIX``), on a NATS server of the run's own (the embedded
+  ``nats-server`` in a temporary data directory, so that NATS's CPU is the run's alone), or with
+  ``bus=configured`` on ``AIVEDIO_NATS_URL``, where the streams are deleted afterwards: the run
+  neither leaves messages in another deployment's stream nor shares its durable groups.
 - ``Deployment``: the sandbox provider (``aivedio sandbox-provider``) and the aivedio processes,
   ``aivedio run --role all --reuse-port`` once per core by default, or one process per role
   (``split``); each with its log in the run's directory.
@@ -48,21 +48,55 @@ BACKGROUND_ROLES = (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class RunBus:
+    url: str
+    stream: str
+    subject_prefix: str
+
+    def env(self) -> dict[str, str]:
+        return {
+            "AIVEDIO_NATS_URL": self.url,
+            "AIVEDIO_BUS_STREAM": self.stream,
+            "AIVEDIO_BUS_SUBJECT_PREFIX": self.subject_prefix,
+        }
+
+
 @contextlib.asynccontextmanager
-async def private_bus(urls: ServiceUrls, data_dir: Path, private: bool) -> AsyncIterator[str]:
-    """The NATS URL of the run: a private embedded server (stopped afterwards), or the
-    configured one."""
+async def run_bus(
+    urls: ServiceUrls, data_dir: Path, private: bool, tag: str
+) -> AsyncIterator[RunBus]:
+    """The run's bus: its own stream and prefix, on a private embedded NATS (stopped
+    afterwards) or on the configured one (its streams deleted afterwards)."""
     if not private:
-        yield urls.nats_url
+        bus = RunBus(urls.nats_url, f"BENCH_E2E_{tag}", f"bench-e2e-{tag}")
+        try:
+            yield bus
+        finally:
+            await _delete_streams(bus)
         return
     cfg = ServicesConfig(
         data_dir=data_dir, database_url=urls.database_url, redis_url=urls.redis_url, nats_url=None
     )
     started = await asyncio.to_thread(embedded.up, cfg)
     try:
-        yield started.nats_url
+        yield RunBus(started.nats_url, f"BENCH_E2E_{tag}", f"bench-e2e-{tag}")
     finally:
         await asyncio.to_thread(embedded.down, cfg)
+
+
+async def _delete_streams(bus: RunBus) -> None:
+    import nats
+    import nats.js.errors
+
+    nc = await nats.connect(bus.url)
+    try:
+        js = nc.jetstream()
+        for name in (bus.stream, f"{bus.stream}_DLQ"):
+            with contextlib.suppress(nats.js.errors.NotFoundError):
+                await js.delete_stream(name)
+    finally:
+        await nc.close()
 
 
 def free_port() -> int:
