@@ -114,6 +114,7 @@ class Settings(BaseSettings):
     gateway_max_conns_per_user: int = 50
     gateway_max_conns_per_tenant: int = 5000
     gateway_connect_rate_per_s: float = 2000.0
+    gateway_timing: bool = False  # diagnostic timing comments in SSE frames (GatewayConfig)
     # Fan-out from the dispatcher to the gateways: one broadcast channel, or node-directed
     # (each gateway node its own channel and project -> node routes in Redis).
     fanout: Literal["broadcast", "node"] = "broadcast"
@@ -233,6 +234,7 @@ class Settings(BaseSettings):
             max_conns_per_user=self.gateway_max_conns_per_user,
             max_conns_per_tenant=self.gateway_max_conns_per_tenant,
             connect_rate_per_s=self.gateway_connect_rate_per_s,
+            timing=self.gateway_timing,
             fanout=self.fanout,
             node_id=self.gateway_node_id,
         )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 
@@ -27,6 +28,7 @@ from aivedio.propagation.relay import (
     OutboxRelay,
     RelayConfig,
     dedup_id,
+    stamped,
 )
 from aivedio.state.service import StateService
 from tests.integration.helpers import make_project, make_task, store
@@ -101,7 +103,20 @@ async def test_events_flow_end_to_end_in_order(
         await sub.stop()
     assert_in_order_once(sub.pairs(), expected)
     first = sub.received[0]
-    assert set(first) == {"type", "project_id", "epoch", "seq", "task_id", "task_version", "public"}
+    assert set(first) == {
+        "type",
+        "project_id",
+        "epoch",
+        "seq",
+        "task_id",
+        "task_version",
+        "public",
+        "relayed_at",
+        "dispatched_at",
+    }
+    # Where the time went (bench e2e): the relay's publish, then the dispatcher's PUBLISH.
+    for message in sub.received:
+        assert message["relayed_at"] <= message["dispatched_at"] <= time.time()
     assert first["public"]["event_id"] == first["seq"]
     assert "attempt_id" not in first["public"] and "trace_id" not in first["public"]
     assert await outbox_counts(db) == {"published": total}
@@ -276,3 +291,13 @@ async def test_three_relays_publish_each_task_in_version_order(
     assert_in_order_once(
         [(key, json.loads(data)["aggregate_version"]) for key, data in stored], expected
     )
+
+
+def test_the_bus_event_is_the_payload_with_the_relay_time_appended() -> None:
+    payload = json.dumps({"event_type": "task.status.changed", "public": {"progress": 5}})
+    suffix = ',"relayed_at":1767225600.250000}'
+    assert json.loads(stamped(payload, suffix)) == json.loads(payload) | {
+        "relayed_at": 1767225600.25
+    }
+    for other in ("{}", "[1]", '"text"'):
+        assert stamped(other, suffix) == other.encode()

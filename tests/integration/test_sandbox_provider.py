@@ -355,6 +355,34 @@ async def test_fast_knob_finishes_default_tasks(make_sandbox: SandboxFactory) ->
     assert (await sandbox.wait_terminal(generation_id))["status"] == "succeeded"
 
 
+async def test_hold_keeps_a_generation_queued_and_silent(
+    make_sandbox: SandboxFactory, receiver: Receiver
+) -> None:
+    """``params.sandbox.hold``: no timeline and no webhook of its own, even with ``fast`` and an
+    early callback rolled; a cancel still moves it and is announced."""
+    sandbox = await make_sandbox(queue_s=0.0, duration_s=0.1)
+    await sandbox.chaos(fast=True, callback_before_submit_response=1.0)
+    generation_id = (await sandbox.create("hold-1", {"hold": True})).json()["id"]
+    await asyncio.sleep(0.4)  # past the whole default (and fast) timeline
+    body = (await sandbox.get(generation_id)).json()
+    assert (body["status"], body["sequence"], body["progress"]) == ("queued", 1, 0)
+    assert receiver.received == []
+    assert (await sandbox.stats())["webhooks"].get("events", 0) == 0
+    response = await sandbox.client.post(f"/v1/generations/{generation_id}/cancel", headers=AUTH)
+    assert response.status_code == 202
+    await wait_for_async(
+        lambda: _received_any(receiver), what="the cancel's webhook of a held generation"
+    )
+    assert receiver.statuses(generation_id) == ["canceled"]
+    bad = await sandbox.create("hold-2", {"hold": "yes"})
+    assert bad.status_code == 422
+    assert bad.json()["error"]["code"] == "invalid_sandbox_params"
+
+
+async def _received_any(receiver: Receiver) -> bool:
+    return bool(receiver.received)
+
+
 # -- webhooks ------------------------------------------------------------------------------------
 
 

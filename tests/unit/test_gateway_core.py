@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import uuid
+from typing import Any, cast
 
 import pytest
 
@@ -10,6 +12,7 @@ from aivedio.gateway.auth import Refused, StreamTokens
 from aivedio.gateway.closecodes import RECONNECT_RANGE, TERMINAL_RANGE, CloseReason
 from aivedio.gateway.config import GatewayConfig
 from aivedio.gateway.frames import Event, make_event
+from aivedio.gateway.hub import Hub
 from aivedio.gateway.protocol import BadRequest, Cursor, parse_head
 from aivedio.gateway.queue import PendingQueue
 from aivedio.gateway.resume import reset_reason
@@ -186,3 +189,48 @@ def test_unwritable_session_queues_then_evicts_as_slow() -> None:
         s.deliver(ev(n, status="ready", stage="done"))
     assert transport.closed is CloseReason.SLOW
     assert owner.forgotten == [CloseReason.SLOW]
+
+
+class _Stream:
+    def __init__(self) -> None:
+        self.events: list[Event] = []
+
+    def on_live(self, epoch: int, event: Event) -> None:
+        self.events.append(event)
+
+
+@pytest.mark.parametrize("timing", [False, True])
+def test_timing_comment_only_when_asked_and_only_numbers(timing: bool) -> None:
+    """AIVEDIO_GATEWAY_TIMING (off by default): the frame gains ``: timing <relayed>
+    <dispatched> <written>`` and nothing else; the data line stays the public contract."""
+    config = GatewayConfig(redis_url="redis://unused", timing=timing)
+    assert GatewayConfig(redis_url="redis://unused").timing is False
+    hub = Hub(cast(Any, None), cast(Any, None), config)
+    project = uuid.uuid4()
+    stream = _Stream()
+    hub.streams[project] = cast(Any, stream)
+    message = {
+        "type": "task.status",
+        "project_id": str(project),
+        "epoch": 3,
+        "seq": 4,
+        "task_id": T1,
+        "task_version": 2,
+        "public": {"task_id": T1, "task_version": 2, "status": "running", "progress": 5},
+        "relayed_at": 1767225600.25,
+        "dispatched_at": 1767225600.5,
+    }
+    hub.on_message(json.dumps(message))
+    hub.on_message(json.dumps(message | {"seq": 5, "relayed_at": None}))
+    first, second = (e.frame.decode() for e in stream.events)
+    data = first.split("\n")[2]
+    assert data.startswith("data: {") and "1767225600" not in data
+    if not timing:
+        assert first.endswith("}\n\n") and ": timing" not in first
+        return
+    comment = first.split("\n")[3]
+    _, word, relayed, dispatched, written = comment.split(" ")
+    assert (word, relayed, dispatched) == ("timing", "1767225600.250000", "1767225600.500000")
+    assert float(written) > 1767225600
+    assert first.endswith("\n\n")
+    assert second.split("\n")[3].startswith(": timing - 1767225600.500000 ")

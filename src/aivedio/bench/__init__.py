@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 
 from aivedio.bench.common import BenchUsageError, parse_options
 from aivedio.bench.connections import run as run_connections
+from aivedio.bench.e2e import run as run_e2e
 from aivedio.bench.fanout import run as run_fanout
 from aivedio.bench.ingest import run as run_ingest
 from aivedio.bench.polling import run as run_polling
@@ -27,6 +28,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "connections": run_connections,
     "fanout": run_fanout,
     "polling": run_polling,
+    "e2e": run_e2e,
 }
 
 

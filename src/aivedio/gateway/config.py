@@ -61,6 +61,11 @@ class GatewayConfig:
     interest_ttl_s: float = 30.0  # polling interest marks (aivedio.polling.ratelimit)
     interest_prefix: str = "aivedio:interest"
     redis_timeout_s: float = 2.0  # per Redis command of the gateway (not the subscription)
+    # Diagnostic (AIVEDIO_GATEWAY_TIMING, off by default): each live SSE frame also carries a
+    # comment line ``: timing <relayed> <dispatched> <written>`` (Unix times: the relay's
+    # publish, the dispatcher's PUBLISH, this node's frame), for ``aivedio bench e2e``. Comments
+    # are ignored by EventSource; the line holds only those numbers. Never on in production.
+    timing: bool = False
 
 
 def origin_of(url: str) -> str:

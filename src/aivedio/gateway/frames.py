@@ -57,15 +57,31 @@ def dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
 
 
-def make_event(epoch: int, seq: int, public: dict[str, Any]) -> Event:
+def make_event(epoch: int, seq: int, public: dict[str, Any], comment: str = "") -> Event:
+    """``comment`` (one line, off by default) goes into the SSE frame as a ``: ...`` line, which
+    EventSource ignores: the diagnostic timing line of ``GatewayConfig.timing``."""
     payload = {k: public.get(k) for k in PUBLIC_FIELDS}
     payload["event_id"] = seq
     task_id = str(payload["task_id"])
     status = str(payload["status"])
-    frame = f"id: {epoch}-{seq}\nevent: task.status\ndata: {dumps(payload)}\n\n".encode()
+    extra = f": {comment}\n" if comment else ""
+    frame = f"id: {epoch}-{seq}\nevent: task.status\ndata: {dumps(payload)}\n{extra}\n".encode()
     final = status in FINAL_PUBLIC_STATUSES
     coalesce = None if final else (task_id, status, str(payload["stage"]))
     return Event(seq, task_id, frame, coalesce, epoch, payload)
+
+
+def timing_comment(relayed_at: object, dispatched_at: object, written_at: float) -> str:
+    """``timing <relayed> <dispatched> <written>``: Unix times (``-`` where the message had none)
+    of the relay's publish, the dispatcher's PUBLISH and this node's frame, for
+    ``aivedio bench e2e``. Only numbers: nothing of the event or its route."""
+
+    def number(value: object) -> str:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return f"{value:.6f}"
+        return "-"
+
+    return f"timing {number(relayed_at)} {number(dispatched_at)} {written_at:.6f}"
 
 
 def ws_message(event: Event) -> dict[str, Any]:

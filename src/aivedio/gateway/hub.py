@@ -14,6 +14,7 @@ import contextlib
 import json
 import logging
 import random
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +25,7 @@ from redis.exceptions import RedisError
 
 from aivedio.gateway import metrics
 from aivedio.gateway.config import GatewayConfig
-from aivedio.gateway.frames import make_event
+from aivedio.gateway.frames import make_event, timing_comment
 from aivedio.gateway.resume import ProjectStream
 from aivedio.gateway.session import Session
 from aivedio.gateway.store import EventStore
@@ -122,7 +123,11 @@ class Hub:
         except (ValueError, KeyError, TypeError) as exc:
             log(logger, logging.WARNING, "unreadable pub/sub message", error=repr(exc))
             return
-        stream.on_live(epoch, make_event(epoch, seq, public))
+        comment = ""
+        if self.config.timing:  # diagnostic, off by default: see GatewayConfig.timing
+            relayed, dispatched = message.get("relayed_at"), message.get("dispatched_at")
+            comment = timing_comment(relayed, dispatched, time.time())
+        stream.on_live(epoch, make_event(epoch, seq, public, comment))
 
     async def run(self, stopping: asyncio.Event) -> None:
         """Keep one subscription to the channel; after every (re)subscribe, a tail check."""

@@ -12,7 +12,12 @@ What reaches Redis (one JSON object per event; :func:`routed_message`)::
 
     {"type": "task.status", "project_id": ..., "epoch": 7, "seq": 42, "task_id": ...,
      "task_version": 5, "public": {"event_id": 42, "task_id": ..., "task_version": 5,
-                                    "status": ..., "stage": ..., "progress": ..., ...}}
+                                    "status": ..., "stage": ..., "progress": ..., ...},
+     "relayed_at": 1767225600.123456, "dispatched_at": 1767225600.124789}
+
+``relayed_at`` (the relay's publish, which it appends to the bus event; ``null`` without it)
+and ``dispatched_at`` (this batch's PUBLISH) are Unix times for measuring where the time goes
+(``aivedio bench e2e``); the gateway never forwards them to a browser by default.
 
 Duplicates can still reach Redis (two replicas, or an LRU eviction, or a restart); the gateway and
 the browser drop them by seq / version, so they are harmless. Redis Pub/Sub itself is at most
@@ -100,6 +105,7 @@ class RoutedEvent:
     task_id: str
     task_version: int
     public: dict[str, Any]
+    relayed_at: float | None = None  # when the relay published it (appended to the bus event)
 
 
 class Malformed(ValueError):
@@ -133,9 +139,16 @@ def parse_event(data: bytes) -> RoutedEvent | None:
             task_id=str(body["aggregate_id"]),
             task_version=_int(body["aggregate_version"]),
             public=public,
+            relayed_at=_time(body.get("relayed_at")),
         )
     except KeyError as exc:
         raise Malformed(f"missing field {exc}") from None
+
+
+def _time(value: object) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    return None
 
 
 def _int(value: object) -> int:
@@ -144,7 +157,7 @@ def _int(value: object) -> int:
     return value
 
 
-def routed_message(event: RoutedEvent) -> bytes:
+def routed_message(event: RoutedEvent, dispatched_at: float | None = None) -> bytes:
     """The Redis message of one event (orjson: compact, UTF-8, ~20x the stdlib encoder)."""
     return orjson.dumps(
         {
@@ -155,6 +168,8 @@ def routed_message(event: RoutedEvent) -> bytes:
             "task_id": event.task_id,
             "task_version": event.task_version,
             "public": event.public,
+            "relayed_at": event.relayed_at,
+            "dispatched_at": dispatched_at,
         }
     )
 
@@ -296,8 +311,9 @@ class NotificationDispatcher:
         if publish:
             try:
                 args: list[str | bytes] = []
+                dispatched = time.time()
                 for _, event in publish:
-                    body = routed_message(event)
+                    body = routed_message(event, dispatched)
                     for channel in self.router(event):
                         args += (channel, body)
                 if args:

@@ -137,8 +137,9 @@ class SandboxProvider:
             self.stats.replays += 1
             return generation, False
         self.stats.created += 1
-        urgent = self.dice.roll(chaos.callback_before_submit_response)
-        delivery = self._announce(generation, urgent=urgent)
+        # A held generation sends no webhook of its own: not even the creation's, early or not.
+        urgent = not request.script.hold and self.dice.roll(chaos.callback_before_submit_response)
+        delivery = None if request.script.hold else self._announce(generation, urgent=urgent)
         if urgent and delivery is not None and delivery.answered is not None:
             self.stats.chaos["callback_before_submit_response"] += 1
             with contextlib.suppress(TimeoutError):

@@ -57,6 +57,9 @@ class Script:
     steps: int | None = None
     error_code: str = DEFAULT_ERROR_CODE
     error_message: str = DEFAULT_ERROR_MESSAGE
+    hold: bool = False
+    """Stay ``queued``: no timeline and no webhook of its own (not even the creation's), so
+    only the caller moves it (a cancel; a benchmark's own webhooks to the receiver)."""
 
 
 def _number(name: str, value: object) -> float:
@@ -89,6 +92,9 @@ def parse_script(params: dict[str, Any]) -> Script:
     for name in ("error_code", "error_message"):
         if name in raw and not isinstance(raw[name], str):
             raise RequestError("invalid_sandbox_params", f"params.sandbox.{name} is a string")
+    hold = raw.get("hold", False)
+    if not isinstance(hold, bool):
+        raise RequestError("invalid_sandbox_params", "params.sandbox.hold is true or false")
     return Script(
         outcome=outcome,
         queue_s=_number("queue_s", raw["queue_s"]) if "queue_s" in raw else None,
@@ -96,6 +102,7 @@ def parse_script(params: dict[str, Any]) -> Script:
         steps=steps,
         error_code=raw.get("error_code", DEFAULT_ERROR_CODE),
         error_message=raw.get("error_message", DEFAULT_ERROR_MESSAGE),
+        hold=hold,
     )
 
 
@@ -137,7 +144,10 @@ class Step:
 
 
 def plan(script: Script, queue_s: float, duration_s: float, steps: int) -> tuple[Step, ...]:
-    """The timeline: queued at 0, running at ``queue_s``, progress steps, then the outcome."""
+    """The timeline: queued at 0, running at ``queue_s``, progress steps, then the outcome;
+    a held generation's is only ``queued`` at 0."""
+    if script.hold:
+        return (Step(0.0, QUEUED, 0),)
     queue_s = script.queue_s if script.queue_s is not None else queue_s
     duration_s = script.duration_s if script.duration_s is not None else duration_s
     steps = script.steps if script.steps is not None else steps
