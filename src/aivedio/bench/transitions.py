@@ -281,8 +281,8 @@ def pgbench_script(attempts: int, batch: int = 1, clients: int = 1) -> str:
     """One transaction as ``StateService.apply`` (``batch`` 1) or ``apply_many`` runs it.
 
     ``lock_task_for_attempt``'s ``$1`` is a random attempt (by row number from the helper table
-    ``bench_attempts``); its row is kept with ``\\gset`` and feeds ``write_event`` as our code
-    does. Constant parameters come as ``-D`` variables (``pgbench_variables``); the ones our
+    ``bench_attempts``); ``locked_attempts`` then reads it, as our code does after the lock, and
+    its row is kept with ``\\gset`` and feeds ``write_event``. Constant parameters come as ``-D`` variables (``pgbench_variables``); the ones our
     observation sends as NULL are NULL literals.
 
     For a batch (``_batch_script``) the transaction is ours: BEGIN; ``lock_tasks_for_attempts``;
@@ -292,12 +292,14 @@ def pgbench_script(attempts: int, batch: int = 1, clients: int = 1) -> str:
         return _batch_script(attempts // batch, batch, clients)
     attempt = "(SELECT attempt_id FROM bench_attempts WHERE n = :n)"
     lock = _sql_with("lock_task_for_attempt", {1: attempt})
+    read = _sql_with("locked_attempts", {1: f"ARRAY[{attempt}]"})
     write = _sql_with("write_event", _WRITE_PARAMS)
     return (
         f"\\set n random(1, {attempts})\n"
         "\\set progress random(0, 100)\n"
         "BEGIN;\n"
-        f"{lock} \\gset l_\n"
+        f"{lock};\n"
+        f"{read} \\gset l_\n"
         "\\set next_version :l_version + 1\n"
         f"{write};\n"
         "COMMIT;\n"
