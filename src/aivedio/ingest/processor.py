@@ -20,9 +20,9 @@ One transaction per claim
     as the rows before it left it; tasks locked in task id order, then the stream rows in project
     id order, the order every writer takes them in, so two processors cannot deadlock; one lock
     of each stream row and one commit for the whole claim), record the provider task ids that
-    callbacks taught, commit. If it fails for any reason but the database being away, it rolls back and its rows
-    are applied one by one, each in its own transaction, so a bad row goes to retry or dead
-    letter alone and the others commit.
+    callbacks taught, commit. If it fails for any reason but the database being away, it rolls
+    back and its rows are applied one by one, each in its own transaction, so a bad row goes to
+    retry or dead letter alone and the others commit.
 Mapping
     To the attempt by the callback token's attempt id (unsigned providers: the only
     authenticated id), else by ``(provider, provider_task_id)``, else by ``(provider,
