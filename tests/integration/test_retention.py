@@ -198,3 +198,36 @@ async def test_inbox_rows_are_deleted_after_the_dedup_window_only_when_processed
     async with db.connection() as conn:
         left = await conn.fetch("SELECT dedup_key FROM provider_callback_inbox ORDER BY id")
     assert [r["dedup_key"] for r in left] == ["k3", "k4", "k6", "k7"]
+
+
+async def test_a_closed_day_is_packed_once_and_stays_a_partition(make_env: EnvFactory) -> None:
+    env = await make_env(publish=False)
+    for _ in range(6):
+        await env.new_task()
+    epoch, _ = await env.head()
+    closed = await age_events(env.db, env.project.project_id, 4, days=2)  # kept: 2 < 7 days
+
+    result = await Maintenance(env.db, CONFIG).run_once()
+    assert result.partitions_dropped == []
+    assert result.partitions_compacted == [closed]
+    async with env.db.connection() as conn:
+        indexes = await conn.fetch(
+            """SELECT c.relname, i.indisvalid, c.reloptions,
+                      (SELECT p.inhparent::regclass::text FROM pg_inherits p
+                       WHERE p.inhrelid = c.oid) AS parent
+               FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+               WHERE i.indrelid = $1::regclass ORDER BY 1""",
+            closed,
+        )
+    assert sorted((r["parent"], r["indisvalid"], r["reloptions"]) for r in indexes) == [
+        ("idx_task_events_task", True, ["fillfactor=100"]),
+        ("pk_task_events", True, ["fillfactor=100"]),
+    ]
+    again = await Maintenance(env.db, CONFIG).run_once()
+    assert again.partitions_compacted == []
+
+    client = env.client()
+    client.view.cursor = f"{epoch}-0"
+    got = await collect(client.connect_once(), lambda fs: len(seqs(fs)) >= 6)
+    assert seqs(got) == [1, 2, 3, 4, 5, 6]
+    await client.aclose()

@@ -3,7 +3,8 @@
 A scratch database is filled with ``events`` task events over ``days`` day partitions (default 10
 million over 30 days, ``projects`` streams; ``events=200000`` for CI), then it prints:
 
-- bytes per event (the partitions of task_events with their indexes, after VACUUM ANALYZE);
+- bytes per event (the partitions of task_events with their indexes, after VACUUM ANALYZE), as
+  written and once the closed days' indexes were packed (what the maintenance role does);
 - the time of a replay of ``replay`` events (1,000) from a cursor, through the gateway's own
   query (``EventStore.events``): p50/p99 at the head and deep in history (the oldest tenth);
 - ``EXPLAIN (ANALYZE, BUFFERS)`` of the replay, the task snapshot and the inbox and outbox claims;
@@ -44,6 +45,7 @@ from aivedio.db.queries import q
 from aivedio.gateway.store import EVENTS, EventStore
 from aivedio.retention.config import RetentionConfig
 from aivedio.retention.maintenance import Maintenance, purge_batches
+from aivedio.retention.partitions import compact, compactable, list_partitions
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,29 +112,31 @@ async def _measure(db: Database, opts: Options) -> dict[str, Any]:
         await conn.execute("VACUUM ANALYZE task_events")
         await conn.execute("VACUUM ANALYZE generation_tasks")
         await conn.execute("VACUUM ANALYZE provider_callback_inbox")
-        sizes = await conn.fetchrow(
-            """SELECT sum(pg_table_size(inhrelid))::bigint AS heap,
-                      sum(pg_indexes_size(inhrelid))::bigint AS indexes,
-                      count(*) AS partitions
-               FROM pg_inherits WHERE inhparent = 'task_events'::regclass"""
-        )
-        stored = await conn.fetchval("SELECT count(*) FROM task_events")
-    assert sizes is not None
-    bytes_per_event = (sizes["heap"] + sizes["indexes"]) / stored
-    print(
-        f"task_events: {stored:,} events in {sizes['partitions']} partitions; "
-        f"heap {sizes['heap'] / 2**20:,.1f} MiB + indexes {sizes['indexes'] / 2**20:,.1f} MiB"
-        f" = {bytes_per_event:.0f} bytes/event"
-    )
+    heap, indexes, stored = await _sizes(db, "as written")
+    unpacked = (heap + indexes) / stored
+    began = time.perf_counter()
+    conn = await db.session()
+    try:
+        closed = await compactable(conn, await list_partitions(conn), datetime.now(UTC))
+        for partition in closed:
+            await compact(conn, partition)
+    finally:
+        await conn.close()
+    compact_s = time.perf_counter() - began
+    print(f"  {len(closed)} closed days packed (REINDEX CONCURRENTLY) in {compact_s:.1f} s")
+    heap, indexes, stored = await _sizes(db, "closed days packed")
+    bytes_per_event = (heap + indexes) / stored
 
     streams = await _streams(db)
-    head_ms, deep_ms = await _replays(db, opts, streams, per_day)
-    for where, values in (("head", head_ms), ("deep", deep_ms)):
+    head_ms, deep_ms = await _replays(db, opts, streams)
+    sql_head_ms, sql_deep_ms = await _replays(db, opts, streams, raw=True)
+    for where, values, sql in (("head", head_ms, sql_head_ms), ("deep", deep_ms, sql_deep_ms)):
         print(
-            f"replay {opts.replay} events at the {where}: p50 {percentile(values, 50):.2f} ms, "
-            f"p99 {percentile(values, 99):.2f} ms ({len(values)} replays)"
+            f"replay {opts.replay} events {where}: p50 {percentile(values, 50):.2f} ms, "
+            f"p99 {percentile(values, 99):.2f} ms ({len(values)} replays, decoded into frames);"
+            f" the query alone p50 {percentile(sql, 50):.2f} ms, p99 {percentile(sql, 99):.2f} ms"
         )
-    await _explain(db, opts, streams, per_day)
+    await _explain(db, opts, streams)
 
     drop = await _drop_under_load(db, opts, first_day)
     outbox = await _outbox_purge(db, opts.outbox_rows or per_day * opts.projects)
@@ -143,18 +147,43 @@ async def _measure(db: Database, opts: Options) -> dict[str, Any]:
         "projects": opts.projects,
         "fill_s": rounded(fill_s, 1),
         "bytes_per_event": rounded(bytes_per_event, 1),
-        "heap_bytes": sizes["heap"],
-        "index_bytes": sizes["indexes"],
+        "bytes_per_event_unpacked": rounded(unpacked, 1),
+        "heap_bytes": heap,
+        "index_bytes": indexes,
+        "compact_s": rounded(compact_s, 2),
         "replay_events": opts.replay,
         "replay_head_p50_ms": rounded(percentile(head_ms, 50)),
         "replay_head_p99_ms": rounded(percentile(head_ms, 99)),
         "replay_deep_p50_ms": rounded(percentile(deep_ms, 50)),
         "replay_deep_p99_ms": rounded(percentile(deep_ms, 99)),
         "replay_p99_ms": rounded(replay_p99),
+        "replay_sql_head_p99_ms": rounded(percentile(sql_head_ms, 99)),
+        "replay_sql_deep_p99_ms": rounded(percentile(sql_deep_ms, 99)),
         **drop,
         **outbox,
         "options": asdict(opts),
     }
+
+
+async def _sizes(db: Database, label: str) -> tuple[int, int, int]:
+    """Heap (with TOAST) and index bytes of every partition of task_events, and its rows."""
+    async with db.connection() as conn:
+        row = await conn.fetchrow(
+            """SELECT sum(pg_table_size(inhrelid))::bigint AS heap,
+                      sum(pg_indexes_size(inhrelid))::bigint AS indexes,
+                      count(*) AS partitions
+               FROM pg_inherits WHERE inhparent = 'task_events'::regclass"""
+        )
+        stored: int = await conn.fetchval("SELECT count(*) FROM task_events")
+    assert row is not None
+    heap, indexes = int(row["heap"]), int(row["indexes"])
+    print(
+        f"task_events ({label}): {stored:,} events in {row['partitions']} partitions; heap "
+        f"{heap / 2**20:,.1f} MiB + indexes {indexes / 2**20:,.1f} MiB = "
+        f"{(heap + indexes) / stored:.0f} bytes/event ({heap / stored:.0f} + "
+        f"{indexes / stored:.0f})"
+    )
+    return heap, indexes, stored
 
 
 # -- the fill ------------------------------------------------------------------------------
@@ -246,9 +275,18 @@ async def _streams(db: Database) -> list[tuple[uuid.UUID, int, int, int]]:
 # -- replays -------------------------------------------------------------------------------
 
 
+_EVENTS_RAW = EVENTS.replace("public_payload", "public_payload::text")
+
+
 async def _replays(
-    db: Database, opts: Options, streams: list[tuple[uuid.UUID, int, int, int]], per_day: int
+    db: Database,
+    opts: Options,
+    streams: list[tuple[uuid.UUID, int, int, int]],
+    raw: bool = False,
 ) -> tuple[list[float], list[float]]:
+    """Replay times at the head and deep: through ``EventStore.events`` (rows decoded, frames
+    built: what the gateway does), or with ``raw`` the same query's rows only (PostgreSQL and
+    the wire, the payload left as text)."""
     store = EventStore(db)
     rng = random.Random(1)
     head_ms: list[float] = []
@@ -261,15 +299,20 @@ async def _replays(
             else:
                 after = floor + rng.randrange(max(1, (head - floor) // 10))
             began = time.perf_counter()
-            events = await store.events(project, epoch, after, head, opts.replay)
+            if raw:
+                async with db.connection() as conn:
+                    rows = await conn.fetch(_EVENTS_RAW, project, epoch, after, head, opts.replay)
+                first = rows[0]["seq"] if rows else None
+            else:
+                events = await store.events(project, epoch, after, head, opts.replay)
+                first = events[0].seq if events else None
             out.append(_ms(time.perf_counter() - began))
-            assert events, (project, after)
-            assert events[0].seq == after + 1, (project, after)
+            assert first == after + 1, (project, after, first)
     return head_ms, deep_ms
 
 
 async def _explain(
-    db: Database, opts: Options, streams: list[tuple[uuid.UUID, int, int, int]], per_day: int
+    db: Database, opts: Options, streams: list[tuple[uuid.UUID, int, int, int]]
 ) -> None:
     project, epoch, _, floor = streams[0]
     async with db.connection() as conn:
@@ -359,7 +402,8 @@ async def _drop_under_load(db: Database, opts: Options, first_day: datetime) -> 
         drop_began = time.perf_counter()
         # The oldest day is just past the retention: exactly one partition goes.
         clock = first_day + timedelta(days=1) + RetentionConfig().event_retention
-        result = await Maintenance(db, RetentionConfig(), clock=lambda: clock).run_once()
+        config = RetentionConfig(compact=False)  # the packing is measured on its own (above)
+        result = await Maintenance(db, config, clock=lambda: clock).run_once()
         drop_s = time.perf_counter() - drop_began
         await asyncio.sleep(opts.probe_s)
     finally:

@@ -25,6 +25,8 @@ class RetentionConfig:
     """Rows (outbox, inbox) or streams (floors) per transaction."""
     interval_s: float = 300.0
     """Between two maintenance rounds."""
+    compact: bool = True
+    """Rebuild the indexes of each closed day packed full, once (``partitions.compact``)."""
     detach_timeout_s: float = 60.0
     """How long a DETACH ... CONCURRENTLY may wait for older transactions (then next round)."""
 

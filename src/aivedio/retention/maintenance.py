@@ -6,7 +6,8 @@ connection):
 
 1. partitions for today and ``partitions_ahead_days`` ahead (``ensure_partitions``);
 2. every partition older than ``event_retention``: floors raised, detached, dropped
-   (``aivedio.retention.partitions``; the order is what keeps cursors honest);
+   (``aivedio.retention.partitions``; the order is what keeps cursors honest); then every
+   closed day not packed yet gets its indexes rebuilt full (``compact``);
 3. published outbox rows older than ``outbox_retention``, in batches;
 4. processed inbox rows received before ``callback_dedup_window``, in batches (their dedup keys
    go: a later duplicate is absorbed by the state machine, never applied twice).
@@ -27,7 +28,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import asyncpg
 from prometheus_client import Counter, Histogram
@@ -37,6 +38,8 @@ from aivedio.db.queries import q
 from aivedio.logs import log
 from aivedio.retention.config import RetentionConfig
 from aivedio.retention.partitions import (
+    compact,
+    compactable,
     detach_and_drop,
     droppable,
     ensure_partitions,
@@ -54,7 +57,7 @@ LOCK_KEY = 0x52455445  # "RETE": one maintenance round at a time, cluster-wide
 ACTIONS = Counter(
     "aivedio_maintenance_actions_total",
     "Maintenance work done, by kind (partitions_created, partitions_dropped, floors_raised, "
-    "outbox_deleted, inbox_deleted, rounds_skipped)",
+    "partitions_compacted, outbox_deleted, inbox_deleted, rounds_skipped)",
     ["kind"],
 )
 DROP_SECONDS = Histogram(
@@ -70,6 +73,7 @@ class RoundResult:
     partitions_created: int = 0
     partitions_dropped: list[str] = field(default_factory=list)
     floors_raised: int = 0
+    partitions_compacted: list[str] = field(default_factory=list)
     outbox_deleted: int = 0
     inbox_deleted: int = 0
 
@@ -79,6 +83,7 @@ class RoundResult:
             "partitions_created": self.partitions_created,
             "partitions_dropped": self.partitions_dropped,
             "floors_raised": self.floors_raised,
+            "partitions_compacted": self.partitions_compacted,
             "outbox_deleted": self.outbox_deleted,
             "inbox_deleted": self.inbox_deleted,
         }
@@ -151,6 +156,12 @@ class Maintenance:
             log(logger, logging.INFO, "event partition dropped", partition=partition.name)
         ACTIONS.labels("partitions_dropped").inc(len(result.partitions_dropped))
         ACTIONS.labels("floors_raised").inc(result.floors_raised)
+        if cfg.compact:
+            closed = now - timedelta(minutes=10)  # past the bound: no row arrives any more
+            for partition in await compactable(conn, await list_partitions(conn), closed):
+                await compact(conn, partition)
+                result.partitions_compacted.append(partition.name)
+            ACTIONS.labels("partitions_compacted").inc(len(result.partitions_compacted))
         result.outbox_deleted = await purge_batches(
             conn, "purge_outbox_batch", now - cfg.outbox_retention, cfg.batch_size
         )

@@ -29,6 +29,8 @@ from aivedio.db.queries import q
 
 __all__ = [
     "Partition",
+    "compact",
+    "compactable",
     "detach_and_drop",
     "droppable",
     "ensure_partitions",
@@ -57,6 +59,14 @@ WITH page AS (
 )
 SELECT (SELECT project_id FROM page ORDER BY project_id DESC LIMIT 1) AS last_id,
        (SELECT count(*) FROM raised) AS raised
+"""
+
+_INDEXES = """
+SELECT c.relname AS name, i.indisvalid AS valid,
+       COALESCE('fillfactor=100' = ANY (c.reloptions), false) AS packed
+FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+WHERE i.indrelid = $1::regclass
+ORDER BY c.relname
 """
 
 
@@ -126,3 +136,34 @@ async def detach_and_drop(conn: asyncpg.Connection, partition: Partition, timeou
             f"ALTER TABLE task_events DETACH PARTITION {table} CONCURRENTLY", timeout=timeout_s
         )
     await conn.execute(f"DROP TABLE {table}")
+
+
+async def compactable(
+    conn: asyncpg.Connection, partitions: list[Partition], before: datetime
+) -> list[Partition]:
+    """Closed partitions (no row can arrive any more: the upper bound is before ``before``)
+    whose indexes were not packed yet."""
+    found = []
+    for p in partitions:
+        if p.upper_bound is None or p.upper_bound > before or p.detach_pending:
+            continue
+        indexes = await conn.fetch(_INDEXES, ident(p.name))
+        if not all(r["valid"] and r["packed"] for r in indexes):
+            found.append(p)
+    return found
+
+
+async def compact(conn: asyncpg.Connection, partition: Partition) -> None:
+    """Rebuild a closed partition's indexes packed full (fillfactor 100): they were built by
+    inserts at several points of the key space at once (one per stream, and random task ids),
+    which leaves pages about half full; a day that no longer changes can be packed. REINDEX
+    ... CONCURRENTLY blocks no writer or reader (SHARE UPDATE EXCLUSIVE on the partition only).
+    An index an interrupted rebuild left invalid is dropped first. ``conn`` outside a
+    transaction."""
+    table = ident(partition.name)
+    for row in await conn.fetch(_INDEXES, table):
+        if not row["valid"]:
+            await conn.execute(f'DROP INDEX CONCURRENTLY IF EXISTS "{row["name"]}"')
+        elif not row["packed"]:
+            await conn.execute(f'ALTER INDEX "{row["name"]}" SET (fillfactor = 100)')
+    await conn.execute(f"REINDEX TABLE CONCURRENTLY {table}")
