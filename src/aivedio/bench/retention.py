@@ -193,9 +193,8 @@ INSERT INTO task_events (project_id, epoch, seq, tenant_id, task_id, attempt_id,
                          event_type, public_payload, source, trace_id, occurred_at, created_at)
 SELECT p.project_id, p.epoch, n.seq, p.tenant_id, n.task_id, n.attempt_id, n.version,
        'task.status',
-       jsonb_build_object('task_id', n.task_id, 'task_version', n.version,
-                          'status', 'running', 'stage', 'generating', 'progress', n.seq % 100,
-                          'asset_id', NULL, 'error', NULL, 'event_id', n.seq),
+       -- as write_event stores it: no task_id, task_version, event_id (columns), no nulls
+       jsonb_build_object('status', 'running', 'stage', 'generating', 'progress', n.seq % 100),
        'webhook', md5(n.seq::text || p.project_id::text), n.at, n.at
 FROM generate_series(1, $2::int) AS k
 CROSS JOIN bench_streams p
@@ -360,9 +359,7 @@ WITH stream AS (
                              task_version, event_type, public_payload, source, trace_id,
                              occurred_at, created_at)
     SELECT project_id, epoch, head, $2, $3, $3, head, 'task.status',
-           jsonb_build_object('task_id', $3::uuid, 'task_version', head, 'status', 'running',
-                              'stage', 'generating', 'progress', 50, 'asset_id', NULL,
-                              'error', NULL, 'event_id', head),
+           jsonb_build_object('status', 'running', 'stage', 'generating', 'progress', 50),
            'webhook', 'trace', now(), clock_timestamp()
     FROM stream
 )

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aivedio.db.pool import Database
+from aivedio.domain.public import stored_event
 from aivedio.gateway.frames import Event, make_event
 
 POSITION = "SELECT epoch, head, floor FROM event_streams WHERE project_id = $1"
@@ -16,7 +17,7 @@ SELECT project_id, epoch, head, floor FROM event_streams WHERE project_id = ANY(
 """
 
 EVENTS = """
-SELECT seq, public_payload FROM task_events
+SELECT seq, task_id, task_version, public_payload FROM task_events
 WHERE project_id = $1 AND epoch = $2 AND seq > $3 AND seq <= $4
 ORDER BY seq
 LIMIT $5
@@ -53,7 +54,16 @@ class EventStore:
         """Events ``after < seq <= upto`` in seq order, at most ``limit``."""
         async with self.db.connection() as conn:
             rows = await conn.fetch(EVENTS, project_id, epoch, after, upto, limit)
-        return [make_event(epoch, r["seq"], _payload(r["public_payload"])) for r in rows]
+        return [
+            make_event(
+                epoch,
+                r["seq"],
+                stored_event(
+                    _payload(r["public_payload"]), r["task_id"], r["task_version"], r["seq"]
+                ),
+            )
+            for r in rows
+        ]
 
     async def project_tenant(self, project_id: uuid.UUID) -> uuid.UUID | None:
         async with self.db.connection() as conn:
