@@ -37,10 +37,11 @@ from aivedio.process.supervisor import supervise
 from aivedio.propagation.roles import dispatcher_role, relay_role
 from aivedio.providers.base import ProviderAdapter
 from aivedio.providers.registry import build_providers, providers_config
+from aivedio.reconcile.role import reconciler_loops
 from aivedio.runtime import Runtime, resolve_urls
 from aivedio.services.embedded import ServiceUrls
 from aivedio.submission.config import CancelConfig, SubmitterConfig
-from aivedio.submission.role import reconciler_loops, submitter_loops
+from aivedio.submission.role import submitter_loops
 from aivedio.web import web_routes
 
 __all__ = ["AVAILABLE", "expand", "open_runtime", "run_roles", "serve", "stop_on_signals"]
