@@ -13,7 +13,7 @@ import contextlib
 import logging
 import random
 import signal
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
@@ -31,7 +31,7 @@ from aivedio.ingest.role import callbacks_role
 from aivedio.logs import log, setup_logging
 from aivedio.media.role import media_role, playback_routes_for
 from aivedio.polling.role import poller_role
-from aivedio.process.parts import RoleFactory, RoleLoop, RoleParts
+from aivedio.process.parts import RoleLoop, RoleParts
 from aivedio.process.restart import RestartPolicy, restart_delay
 from aivedio.process.supervisor import supervise
 from aivedio.propagation.roles import dispatcher_role, relay_role
@@ -47,6 +47,9 @@ from aivedio.web import web_routes
 __all__ = ["AVAILABLE", "expand", "open_runtime", "run_roles", "serve", "stop_on_signals"]
 
 logger = logging.getLogger("aivedio.roles")
+
+RoleFactory = Callable[[Runtime], Awaitable[RoleParts]]
+"""A role module's factory: ``async def <name>_role(rt: Runtime) -> RoleParts``."""
 
 
 async def _api(rt: Runtime) -> RoleParts:
