@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import pydantic
 
+from aivedio.bus.port import BusConfig
 from aivedio.config import Settings
 from aivedio.errors import ConfigError
 from aivedio.process.eventloop import run_loop
@@ -195,7 +196,7 @@ def _cmd_bus(args: argparse.Namespace, settings: Settings) -> int:
     from aivedio.propagation.dead_letters import dead_letters_command, replay_command
     from aivedio.runtime import resolve_urls
 
-    config = settings.bus(resolve_urls(settings).nats_url)
+    config = BusConfig.from_settings(settings, resolve_urls(settings).nats_url)
     if args.bus_command == "dead-letters":
         code: int = asyncio.run(dead_letters_command(config, args.group, args.limit))
     else:

@@ -24,6 +24,7 @@ from aivedio.billing.role import billing_role
 from aivedio.config import Settings
 from aivedio.errors import ConfigError, DatabaseUnavailable
 from aivedio.gateway import Gateway, stream_token_routes
+from aivedio.gateway.config import GatewayConfig
 from aivedio.gateway.routing import node_dispatcher_role
 from aivedio.gateway.server import serve_http
 from aivedio.ingest.processor import inbox_role
@@ -60,7 +61,9 @@ async def _api(rt: Runtime) -> RoleParts:
 
 
 async def _gateway(rt: Runtime) -> RoleParts:
-    gateway = Gateway(rt.db, rt.settings.gateway(rt.urls.redis_url), health=rt.health)
+    gateway = Gateway(
+        rt.db, GatewayConfig.from_settings(rt.settings, rt.urls.redis_url), health=rt.health
+    )
     return RoleParts(http=True, gateway=gateway)
 
 
