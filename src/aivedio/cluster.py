@@ -63,7 +63,7 @@ SPLIT_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("dispatcher", ("dispatcher",)),
     ("media", ("media",)),
     ("billing", ("billing",)),
-    ("reconciler", ("reconciler",)),
+    ("reconciler", ("reconciler", "maintenance")),
 )
 HTTP_ROLES = frozenset({"api", "callbacks", "gateway"})
 

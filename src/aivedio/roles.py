@@ -39,6 +39,7 @@ from aivedio.propagation.roles import dispatcher_role, relay_role
 from aivedio.providers.base import ProviderAdapter
 from aivedio.providers.registry import build_providers, providers_config
 from aivedio.reconcile.role import reconciler_loops
+from aivedio.retention.role import maintenance_role
 from aivedio.runtime import Runtime, resolve_urls
 from aivedio.services.embedded import ServiceUrls
 from aivedio.submission.config import CancelConfig, SubmitterConfig
@@ -109,6 +110,7 @@ AVAILABLE: dict[str, RoleFactory] = {
     "media": media_role,
     "billing": billing_role,
     "reconciler": _reconciler,
+    "maintenance": maintenance_role,
 }
 
 
