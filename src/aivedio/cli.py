@@ -12,14 +12,16 @@ import getpass
 import json
 import sys
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pydantic
 
+from aivedio.bus.port import BusConfig
 from aivedio.config import Settings
 from aivedio.errors import ConfigError
+from aivedio.process.eventloop import run_loop
 
 if TYPE_CHECKING:
     from aivedio.db.pool import Database
@@ -100,26 +102,19 @@ def _cmd_bump_epoch(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_maintenance(args: argparse.Namespace, settings: Settings) -> int:
+    from aivedio.retention.config import RetentionConfig
     from aivedio.retention.maintenance import Maintenance
 
     async def go() -> int:
         db = await _database(settings)
         try:
-            result = await Maintenance(db, settings.retention).run_once()
+            result = await Maintenance(db, RetentionConfig.from_settings(settings)).run_once()
         finally:
             await db.close()
         _print_json(result.as_dict())
         return 0
 
     return asyncio.run(go())
-
-
-def run_loop(main: Coroutine[Any, Any, int]) -> int:
-    """Run a long-lived process on uvloop: one event to 10,000 SSE clients P99 384 -> 231 ms
-    and 48k -> 55k frames/s against asyncio's loop (aivedio bench fanout, same machine)."""
-    import uvloop
-
-    return uvloop.run(main)
 
 
 def _check_providers(settings: Settings) -> None:
@@ -240,7 +235,7 @@ def _cmd_bus(args: argparse.Namespace, settings: Settings) -> int:
     from aivedio.propagation.dead_letters import dead_letters_command, replay_command
     from aivedio.runtime import resolve_urls
 
-    config = settings.bus(resolve_urls(settings).nats_url)
+    config = BusConfig.from_settings(settings, resolve_urls(settings).nats_url)
     if args.bus_command == "dead-letters":
         code: int = asyncio.run(dead_letters_command(config, args.group, args.limit))
     else:

@@ -14,15 +14,10 @@ import secrets
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
-if TYPE_CHECKING:
-    from aivedio.bus.port import BusConfig
-    from aivedio.gateway.config import GatewayConfig
-    from aivedio.retention.config import RetentionConfig
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(d|h|m|s)?\s*$")
 _UNIT_S = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, None: 1.0}
@@ -262,51 +257,6 @@ class Settings(BaseSettings):
             public_url=self.public_url,
             idempotency_ttl=timedelta(seconds=self.idempotency_ttl_s),
             providers=self.provider_names(),
-        )
-
-    def gateway(self, redis_url: str) -> GatewayConfig:
-        from aivedio.gateway.config import GatewayConfig
-
-        origins = tuple(o.strip().lower() for o in self.ws_allowed_origins.split(",") if o.strip())
-        return GatewayConfig(
-            ws_allowed_origins=origins,
-            redis_url=redis_url,
-            channel=self.gateway_channel,
-            token_secret=self.derived_secret("stream-tokens"),
-            heartbeat_s=self.gateway_heartbeat_s,
-            session_cap_s=self.gateway_session_cap_s,
-            replay_cap=self.gateway_replay_cap,
-            tailcheck_s=self.gateway_tailcheck_s,
-            max_conns_per_user=self.gateway_max_conns_per_user,
-            max_conns_per_tenant=self.gateway_max_conns_per_tenant,
-            connect_rate_per_s=self.gateway_connect_rate_per_s,
-            timing=self.gateway_timing,
-            fanout=self.fanout,
-            node_id=self.gateway_node_id,
-        )
-
-    def bus(self, nats_url: str) -> BusConfig:
-        from aivedio.bus.port import BusConfig
-
-        return BusConfig(
-            url=nats_url,
-            replicas=self.bus_replicas,
-            stream=self.bus_stream,
-            subject_prefix=self.bus_subject_prefix,
-            ack_wait_s=self.bus_ack_wait_s,
-        )
-
-    @property
-    def retention(self) -> RetentionConfig:
-        from aivedio.retention.config import RetentionConfig
-
-        return RetentionConfig(
-            event_retention=self.event_retention,
-            partitions_ahead_days=self.event_partitions_ahead,
-            outbox_retention=self.outbox_retention,
-            callback_dedup_window=self.callback_dedup_window,
-            batch_size=self.maintenance_batch,
-            interval_s=self.maintenance_interval_s,
         )
 
     @property

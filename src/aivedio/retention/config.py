@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aivedio.config import Settings
 
 # The longest provider retry window we know of (OpenAI retries webhooks for up to 72 h; fal 10
 # times in 2 h; Svix-style senders about 28 h): the callback dedup window must exceed it.
@@ -29,6 +33,17 @@ class RetentionConfig:
     """Rebuild the indexes of each closed day packed full, once (``partitions.compact``)."""
     detach_timeout_s: float = 60.0
     """How long a DETACH ... CONCURRENTLY may wait for older transactions (then next round)."""
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RetentionConfig:
+        return cls(
+            event_retention=settings.event_retention,
+            partitions_ahead_days=settings.event_partitions_ahead,
+            outbox_retention=settings.outbox_retention,
+            callback_dedup_window=settings.callback_dedup_window,
+            batch_size=settings.maintenance_batch,
+            interval_s=settings.maintenance_interval_s,
+        )
 
     def __post_init__(self) -> None:
         if self.partitions_ahead_days < 1:

@@ -36,6 +36,7 @@ from prometheus_client import Counter, Histogram
 from aivedio.db.pool import UNAVAILABLE_ERRORS, Database, unavailable
 from aivedio.db.queries import q
 from aivedio.logs import log
+from aivedio.process.rounds import run_rounds
 from aivedio.retention.config import RetentionConfig
 from aivedio.retention.partitions import (
     compact,
@@ -46,7 +47,6 @@ from aivedio.retention.partitions import (
     list_partitions,
     raise_floors,
 )
-from aivedio.submission.loop import run_rounds
 
 __all__ = ["LOCK_KEY", "Maintenance", "RoundResult", "purge_batches"]
 
