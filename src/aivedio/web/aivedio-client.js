@@ -36,7 +36,8 @@
 // What the connection does, for a view that shows it (the web console's connection panel):
 // onConnection(kind, detail) with kind "open" (detail.after: the cursor it resumed from, or null),
 // "failure" (detail.reason), "reset" (detail.reason, detail.cursor) and "poll" (a snapshot read
-// while paused); `client.stats` counts them ({opens, reconnects, resumes, resets, failures, polls}).
+// while paused); `client.stats` counts them ({opens, reconnects, resumes, resets, failures, polls}:
+// a resume is a reconnect that went on from the cursor the page had).
 // onEvent(event, cursor) sees every event with a seq not seen before, even one whose task_version
 // the view already passed (a replay after polling): a timeline built from it misses nothing.
 
@@ -154,7 +155,7 @@ export function createClient(options) {
     onTask = () => {},
     onState = () => {},
     onReset = () => {},
-    onEvent = () => {},
+    onEvent: onStreamEvent = () => {},
     onConnection = () => {},
     maxFailures = 3,
     backoffBaseMs = 500,
@@ -308,7 +309,7 @@ export function createClient(options) {
     const id = parseCursor(eventCursor);
     if (id && id.epoch === epoch && id.seq <= lastSeq) return; // a seq already seen
     if (id) moveCursor(eventCursor);
-    onEvent(event, eventCursor);
+    onStreamEvent(event, eventCursor);
     applyEvent(event);
   }
 
@@ -333,8 +334,8 @@ export function createClient(options) {
     stopPolling();
     stats.opens += 1;
     if (stats.opens > 1) stats.reconnects += 1;
-    if (openedAfter !== null) stats.resumes += 1;
-    note("open", { after: openedAfter });
+    if (stats.opens > 1 && openedAfter !== null) stats.resumes += 1;
+    note("open", { after: openedAfter, first: stats.opens === 1 });
     setState("live");
   }
 

@@ -41,7 +41,8 @@ export function createConnectionPanel(transport) {
     note(kind, info) {
       counters(info);
       if (kind === "open") {
-        log("open", info.after ? `stream opened, resuming after ${info.after}` : "stream opened");
+        if (info.first) log("open", `stream opened at ${info.after || "the head"}`);
+        else log("open", info.after ? `stream reopened, resuming after ${info.after}` : "stream reopened");
       } else if (kind === "failure") {
         log("failure", `stream lost (${info.reason})`);
       } else if (kind === "reset") {
