@@ -161,16 +161,15 @@ def test_create_watch_to_ready_play_inline_and_read_the_timeline(page: Page, dem
     assert page.evaluate("document.getElementById('player').videoWidth") > 0
     # the audit trail is read (the sandbox's duplicate-free run may have nothing to show)
     expect(page.locator("#audit")).to_have_attribute("data-entries", re.compile(r"^\d+$"))
+    shot = os.environ.get("AIVEDIO_CONSOLE_SCREENSHOT")
+    if shot:  # the README's picture
+        page.set_viewport_size({"width": 1400, "height": 900})
+        page.locator("#prompt").fill("a lighthouse in a storm")
+        page.screenshot(path=shot, full_page=True)
     # Escape closes the detail and gives the focus back to the task
     page.keyboard.press("Escape")
     expect(detail).to_be_hidden()
     expect(row.locator(".open")).to_be_focused()
-    shot = os.environ.get("AIVEDIO_CONSOLE_SCREENSHOT")
-    if shot:
-        row.locator(".open").click()
-        expect(player).to_have_attribute("data-loaded", "1", timeout=30_000)
-        page.set_viewport_size({"width": 1400, "height": 900})
-        page.screenshot(path=shot, full_page=True)
     watch.assert_clean()
 
 
@@ -262,6 +261,31 @@ def test_a_killed_connection_pauses_then_resumes_with_no_event_missing(
     # from the first event the detail saw on: the stream delivered every one, outage included
     expect(page.locator("#timeline tbody tr[data-via=read]")).to_have_count(first_streamed)
     assert all(via == "stream" for via in vias[first_streamed:]), vias
+    watch.assert_clean()
+
+
+def test_a_reset_shows_in_the_connection_panel(page: Page, demo: Stack) -> None:
+    """The first stream request carries a cursor of another epoch (rewritten on its way out):
+    the server answers ``reset``; the panel counts it and logs it, and the stream goes on."""
+    from playwright.sync_api import Route, expect
+
+    rewritten: list[str] = []
+
+    def stale_cursor(route: Route) -> None:
+        if rewritten:
+            route.continue_()
+            return
+        rewritten.append(route.request.url)
+        route.continue_(url=re.sub(r"after=[^&]+", "after=1-1", route.request.url))
+
+    page.route(re.compile(r".*/events\?.*"), stale_cursor)
+    watch = open_console(page, demo)
+    expect(page.locator("#conn-resets")).to_have_text("1")
+    expect(page.locator("#conn-log li[data-kind=reset]")).to_contain_text("other_epoch")
+    row = generate(page, "after a reset", STEPS)
+    expect(row).to_have_attribute("data-status", "ready", timeout=READY_WITHIN_MS)
+    expect(page.locator("#conn-reconnects")).to_have_text("0")
+    assert len(rewritten) == 1
     watch.assert_clean()
 
 
