@@ -152,6 +152,8 @@ def test_create_watch_to_ready_play_inline_and_read_the_timeline(page: Page, dem
     # every event after the first the detail saw came over the stream
     vias = [via for _, via in timeline(page)]
     first_streamed = vias.index("stream")
+    expect(page.locator("#timeline tbody tr[data-via=read]")).to_have_count(first_streamed)
+    vias = [via for _, via in timeline(page)]
     assert all(via == "stream" for via in vias[first_streamed:]), vias
     # inline playback through the signed link, which the page asked the API for
     player = page.locator("#player")
