@@ -268,6 +268,17 @@ def _cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
     return code
 
 
+def _cmd_capacity(args: argparse.Namespace, settings: Settings) -> int:
+    from aivedio.bench.common import BenchUsageError
+    from aivedio.capacity import run_capacity
+
+    try:
+        return run_capacity(args.options)
+    except BenchUsageError as exc:
+        print(f"capacity: {exc}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aivedio", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -399,6 +410,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name")
     bench.add_argument("options", nargs="*", help="key=value options of the benchmark")
     bench.set_defaults(func=_cmd_bench)
+
+    capacity = sub.add_parser(
+        "capacity", help="a deployment plan from measured figures; the last line is JSON"
+    )
+    capacity.add_argument(
+        "options", nargs="*", help="key=value: e2e=FILE or measure=1, workload (see the docs)"
+    )
+    capacity.set_defaults(func=_cmd_capacity)
     return parser
 
 

@@ -128,7 +128,8 @@ CREATE TABLE provider_callback_inbox (
         'pending', 'retry', 'processed', 'orphan', 'dead'))
 );
 
-CREATE INDEX idx_callback_inbox_pending ON provider_callback_inbox (next_retry_at, id)
+-- Due rows in id order for inbox_claim (migration 0012).
+CREATE INDEX idx_callback_inbox_due ON provider_callback_inbox (id)
     WHERE process_status IN ('pending', 'retry', 'orphan');
 
 CREATE INDEX idx_callback_inbox_retention ON provider_callback_inbox (processed_at)
