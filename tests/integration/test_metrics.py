@@ -398,7 +398,8 @@ async def test_tail_repairs(make_env: EnvFactory) -> None:
 
 def test_the_metrics_reference_names_every_metric_here() -> None:
     """docs/reference/metrics.md lists every aivedio metric this process registered."""
-    import aivedio.roles  # noqa: F401 - imports every role's module (and so its metrics)
+    import aivedio.bus.jetstream
+    import aivedio.roles  # noqa: F401 - every role's module and the bus: every metric
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "reference" / "metrics.md").read_text()
     names = {
