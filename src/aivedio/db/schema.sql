@@ -128,7 +128,7 @@ CREATE TABLE provider_callback_inbox (
         'pending', 'retry', 'processed', 'orphan', 'dead'))
 );
 
--- Due rows in id order for inbox_claim (migration 0012).
+-- Due rows in id order for inbox_claim (migration 0015).
 CREATE INDEX idx_callback_inbox_due ON provider_callback_inbox (id)
     WHERE process_status IN ('pending', 'retry', 'orphan');
 
