@@ -67,7 +67,7 @@ RECONCILE_SQL = (
 
 # (label, histogram) of the lags shown, in chain order.
 LAGS = (
-    ("webhook -> inbox row", "aivedio_callback_inbox_insert_seconds"),
+    ("webhook -> inbox row", "aivedio_callback_store_seconds"),
     ("inbox lag", "aivedio_inbox_lag_seconds"),
     ("apply", "aivedio_apply_observation_seconds"),
     ("relay lag", "aivedio_outbox_relay_lag_seconds"),

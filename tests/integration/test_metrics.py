@@ -125,6 +125,15 @@ async def test_callbacks_by_outcome(chain: Chain) -> None:
     )
 
 
+async def test_webhook_store_latency(chain: Chain) -> None:
+    """Each stored callback is timed from its receipt to its group commit (new or duplicate)."""
+    before = await chain.metric("aivedio_callback_store_seconds_count")
+    data = unknown_generation()
+    assert (await chain.callback(data, webhook_id="msg_store_1")).status_code == 204
+    assert (await chain.callback(data, webhook_id="msg_store_1")).status_code == 204
+    assert await chain.metric("aivedio_callback_store_seconds_count") == before + 2
+
+
 async def test_inbox_lag(chain: Chain) -> None:
     before = await chain.metric("aivedio_inbox_lag_seconds_count")
     await run_quick_task(chain)  # the sandbox's webhooks went through the inbox

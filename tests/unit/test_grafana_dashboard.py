@@ -65,7 +65,7 @@ def test_the_dashboard_covers_the_seed_metrics() -> None:
         "aivedio_callbacks_accepted_total",
         "aivedio_callbacks_duplicate_total",
         "aivedio_callbacks_rejected_total",
-        "aivedio_callback_inbox_insert_seconds_bucket",
+        "aivedio_callback_store_seconds_bucket",
         "aivedio_inbox_lag_seconds_bucket",
         "aivedio_apply_observation_seconds_bucket",
         "aivedio_outbox_backlog",
