@@ -134,8 +134,10 @@ async def assert_rides_the_chain(chain: Chain, task_id: str, trace: str, lines: 
 async def test_the_trace_id_of_an_api_request_reaches_the_frame(chain: Chain) -> None:
     header, trace = traceparent()
     client = Client(chain.base, chain.api_key, chain.project_id)
+    replayer = Client(chain.base, chain.api_key, chain.project_id)
     try:
         await client.snapshot()
+        replayer.view.cursor = client.view.cursor  # from before the task: a replay
         with captured_lines() as lines:
             async with listening(client):
                 response = await chain.client.post(
@@ -158,11 +160,22 @@ async def test_the_trace_id_of_an_api_request_reaches_the_frame(chain: Chain) ->
                 await eventually(
                     lambda: _async(bool(lines.where("submitted"))), "the submitter's line"
                 )
+            async with listening(replayer):
+
+                def replayed() -> bool:
+                    return any(
+                        frame["trace_id"] == trace and frame["task_id"] == task_id
+                        for line in lines.where("frames replayed", project_id=chain.project_id)
+                        for frame in line["frames"]
+                    )
+
+                await eventually(lambda: _async(replayed()), "the replayed frame's line")
         # The submitter's line for the attempt it submitted carries the request's trace id.
         submitted = lines.where("submitted")
         assert submitted and all(line.get("trace_id") == trace for line in submitted)
     finally:
         await client.aclose()
+        await replayer.aclose()
 
 
 async def test_the_trace_id_of_a_callback_reaches_the_frame(chain: Chain) -> None:
