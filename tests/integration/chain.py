@@ -63,6 +63,12 @@ def parse_metrics(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], flo
     return out
 
 
+def value_of(
+    scraped: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str
+) -> float:
+    return sum(v for (n, have), v in scraped.items() if n == name and set(labels.items()) <= have)
+
+
 @dataclass
 class Chain:
     rt: Runtime
@@ -77,16 +83,16 @@ class Chain:
     def auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}
 
-    async def metric(self, name: str, **labels: str) -> float:
-        """The sum of ``name``'s samples whose labels include ``labels``, read from ``/metrics``
-        as a scraper would (0 when there is none)."""
+    async def scrape(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+        """``/metrics`` as a scraper reads it."""
         response = await self.client.get("/metrics")
         assert response.status_code == 200
-        total = 0.0
-        for (sample, have), value in parse_metrics(response.text).items():
-            if sample == name and set(labels.items()) <= have:
-                total += value
-        return total
+        return parse_metrics(response.text)
+
+    async def metric(self, name: str, **labels: str) -> float:
+        """The sum of ``name``'s samples whose labels include ``labels``, read from ``/metrics``
+        (0 when there is none)."""
+        return value_of(await self.scrape(), name, **labels)
 
     async def moved(self, name: str, before: float, what: str = "", **labels: str) -> float:
         """Wait until ``name`` (filtered by ``labels``) exceeds ``before``; return its value."""

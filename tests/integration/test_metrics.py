@@ -22,7 +22,7 @@ from prometheus_client import REGISTRY
 
 from aivedio.bus.jetstream import JetStreamBus
 from aivedio.client import Client, Frame
-from tests.integration.chain import LONG, Chain, eventually, running_chain
+from tests.integration.chain import LONG, Chain, eventually, running_chain, value_of
 from tests.integration.test_gateway_harness import EnvFactory, make_env, open_stalled
 
 __all__ = ["make_env"]
@@ -143,15 +143,17 @@ async def test_inbox_lag(chain: Chain) -> None:
 async def test_apply_latency_is_observed_for_every_observation(chain: Chain) -> None:
     """Every observation the state service counts is timed, whichever path applied it (the
     inbox processor's batch, the poller's and submitter's in-transaction applies)."""
-    applied = await chain.metric("aivedio_apply_observation_seconds_count")
-    counted = await chain.metric("aivedio_observations_total")
+    first = await chain.scrape()
     await run_quick_task(chain)
-    now_applied = await chain.metric("aivedio_apply_observation_seconds_count")
-    now_counted = await chain.metric("aivedio_observations_total")
-    assert now_counted - counted >= 3  # submitted, running..., succeeded, ready at least
-    # Both from later scrapes; nothing applies between them (the task is ready, idle chain),
-    # so every observation counted was timed.
-    assert now_applied - applied == now_counted - counted
+    later = await chain.scrape()  # one scrape: both values of the same moment
+    timed = value_of(later, "aivedio_apply_observation_seconds_count") - value_of(
+        first, "aivedio_apply_observation_seconds_count"
+    )
+    counted = value_of(later, "aivedio_observations_total") - value_of(
+        first, "aivedio_observations_total"
+    )
+    assert counted >= 3  # submitted, running..., succeeded, ready at least
+    assert timed == counted
 
 
 # -- outbox, relay, dispatcher, bus --------------------------------------------------------------
