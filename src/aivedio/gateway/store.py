@@ -17,7 +17,7 @@ SELECT project_id, epoch, head, floor FROM event_streams WHERE project_id = ANY(
 """
 
 EVENTS = """
-SELECT seq, task_id, task_version, public_payload FROM task_events
+SELECT seq, task_id, task_version, public_payload, trace_id, created_at FROM task_events
 WHERE project_id = $1 AND epoch = $2 AND seq > $3 AND seq <= $4
 ORDER BY seq
 LIMIT $5
@@ -61,6 +61,8 @@ class EventStore:
                 stored_event(
                     _payload(r["public_payload"]), r["task_id"], r["task_version"], r["seq"]
                 ),
+                stored_at=r["created_at"].timestamp(),
+                trace_id=r["trace_id"],
             )
             for r in rows
         ]
