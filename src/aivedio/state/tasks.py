@@ -355,7 +355,7 @@ class TaskStore:
         timeline: list[dict[str, Any]] = []
         previous: dict[str, Any] = {}
         for e in sorted(rows, key=lambda r: r["seq"]):
-            payload = e["public_payload"]
+            payload = stored_event(e["public_payload"], task_id, e["task_version"], e["seq"])
             timeline.append(
                 {
                     "event_id": e["seq"],
