@@ -274,7 +274,7 @@ async def _streams(db: Database) -> list[tuple[uuid.UUID, int, int, int]]:
 # -- replays -------------------------------------------------------------------------------
 
 
-_EVENTS_RAW = EVENTS.replace("public_payload", "public_payload::text")
+_EVENTS_RAW = EVENTS  # the payload comes as text: the rows, not decoded
 
 
 async def _replays(
