@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
+from aivedio.bus import BusConfig
 from aivedio.bus.jetstream import JetStreamBus
 from aivedio.client import Client, Frame
 from tests.integration.chain import LONG, Chain, eventually, running_chain, value_of
@@ -196,7 +197,9 @@ async def test_dispatcher_lag(chain: Chain) -> None:
 async def publish_poison(chain: Chain) -> None:
     """A message the dispatcher cannot read: it naks it until its last delivery, then
     dead-letters it."""
-    bus = await JetStreamBus.connect(chain.settings.bus(chain.rt.urls.nats_url))
+    bus = await JetStreamBus.connect(
+        BusConfig.from_settings(chain.settings, chain.rt.urls.nats_url)
+    )
     try:
         key = f"poison-{uuid.uuid4().hex[:8]}"
         await bus.publish("task.status", key, key, b"not json at all")
