@@ -18,6 +18,7 @@ from aivedio.config import Settings
 from aivedio.db.migrate import migrate
 from aivedio.gateway.server import QuietServer
 from aivedio.logs import setup_logging
+from aivedio.process.eventloop import run_loop
 from aivedio.roles import AVAILABLE, serve
 from aivedio.runtime import Runtime, resolve_urls
 from aivedio.sandbox import SandboxConfig, create_app
@@ -92,7 +93,5 @@ async def _demo(settings: Settings, port: int) -> int:
 
 
 def run_demo(settings: Settings, port: int | None = None) -> int:
-    from aivedio.cli import run_loop
-
     port = port or settings.port
     return run_loop(_demo(settings.listening_on(port), port))

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import random
 import signal
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from starlette.applications import Starlette
@@ -25,6 +25,7 @@ from aivedio.billing.role import billing_role
 from aivedio.config import Settings
 from aivedio.errors import ConfigError, DatabaseUnavailable
 from aivedio.gateway import Gateway, stream_token_routes
+from aivedio.gateway.config import GatewayConfig
 from aivedio.gateway.outage import stream_outage_routes
 from aivedio.gateway.routing import node_dispatcher_role
 from aivedio.gateway.server import serve_http
@@ -33,21 +34,26 @@ from aivedio.ingest.role import callbacks_role
 from aivedio.logs import log, setup_logging
 from aivedio.media.role import media_role, playback_routes_for
 from aivedio.polling.role import poller_role
-from aivedio.process.parts import RoleFactory, RoleLoop, RoleParts
+from aivedio.process.parts import RoleLoop, RoleParts
 from aivedio.process.restart import RestartPolicy, restart_delay
 from aivedio.process.supervisor import supervise
 from aivedio.propagation.roles import dispatcher_role, relay_role
 from aivedio.providers.base import ProviderAdapter
 from aivedio.providers.registry import build_providers, providers_config
+from aivedio.reconcile.role import reconciler_loops
+from aivedio.retention.role import maintenance_role
 from aivedio.runtime import Runtime, resolve_urls
 from aivedio.services.embedded import ServiceUrls
 from aivedio.submission.config import CancelConfig, SubmitterConfig
-from aivedio.submission.role import reconciler_loops, submitter_loops
+from aivedio.submission.role import submitter_loops
 from aivedio.web import web_routes
 
 __all__ = ["AVAILABLE", "expand", "open_runtime", "run_roles", "serve", "stop_on_signals"]
 
 logger = logging.getLogger("aivedio.roles")
+
+RoleFactory = Callable[[Runtime], Awaitable[RoleParts]]
+"""A role module's factory: ``async def <name>_role(rt: Runtime) -> RoleParts``."""
 
 
 async def _api(rt: Runtime) -> RoleParts:
@@ -61,7 +67,9 @@ async def _api(rt: Runtime) -> RoleParts:
 
 
 async def _gateway(rt: Runtime) -> RoleParts:
-    gateway = Gateway(rt.db, rt.settings.gateway(rt.urls.redis_url), health=rt.health)
+    gateway = Gateway(
+        rt.db, GatewayConfig.from_settings(rt.settings, rt.urls.redis_url), health=rt.health
+    )
     routes = stream_outage_routes(rt.db, gateway.kill) if rt.settings.sandbox_enabled else []
     return RoleParts(routes=routes, http=True, gateway=gateway)
 
@@ -108,6 +116,7 @@ AVAILABLE: dict[str, RoleFactory] = {
     "media": media_role,
     "billing": billing_role,
     "reconciler": _reconciler,
+    "maintenance": maintenance_role,
 }
 
 

@@ -41,8 +41,8 @@ from aivedio.db.pool import Database
 from aivedio.gateway.server import serve_http
 from aivedio.ingest.gateway import CallbackConfig, StandardWebhooksJson, callback_routes
 from aivedio.ingest.group_commit import GroupCommitConfig, InboxWriter
-from aivedio.ingest.jwks import FalEd25519Verifier, JwksCache
-from aivedio.ingest.verify import (
+from aivedio.providers.jwks import FalEd25519Verifier, JwksCache
+from aivedio.providers.verify import (
     CallbackTokenVerifier,
     StandardWebhooksVerifier,
     mint_callback_token,

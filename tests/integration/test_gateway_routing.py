@@ -16,6 +16,7 @@ from redis.asyncio import Redis
 from aivedio.config import Settings
 from aivedio.db.pool import Database
 from aivedio.domain.observation import ProviderStatus
+from aivedio.gateway.config import GatewayConfig
 from aivedio.gateway.routing import (
     NodeRouter,
     NodeRoutes,
@@ -266,9 +267,12 @@ async def test_events_routed_before_the_dispatcher_learned_the_route_arrive_by_t
 
 def test_settings_select_the_fanout() -> None:
     settings = Settings(fanout="node", gateway_node_id="gw-1", secret_key="k" * 32)
-    config = settings.gateway("redis://127.0.0.1:1/0")
+    config = GatewayConfig.from_settings(settings, "redis://127.0.0.1:1/0")
     assert (config.fanout, config.node_id) == ("node", "gw-1")
-    assert Settings(secret_key="k" * 32).gateway("redis://x").fanout == "broadcast"
+    assert (
+        GatewayConfig.from_settings(Settings(secret_key="k" * 32), "redis://x").fanout
+        == "broadcast"
+    )
     with pytest.raises(ValidationError):
         Settings(fanout="everywhere")
 

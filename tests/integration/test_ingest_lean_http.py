@@ -34,7 +34,7 @@ from aivedio.ingest.gateway import (
     callback_routes,
 )
 from aivedio.ingest.group_commit import InboxWriter
-from aivedio.ingest.verify import StandardWebhooksVerifier
+from aivedio.providers.verify import StandardWebhooksVerifier
 from tests.integration.test_callback_gateway import lean_server
 
 SECRET = "whsec_" + base64.b64encode(b"lean-http-test-secret-0123456789").decode()

@@ -15,8 +15,6 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from aivedio.domain.observation import ProviderStatus
-from aivedio.ingest.jwks import FalEd25519Verifier, JwksCache
-from aivedio.ingest.verify import VerificationError, Verified
 from aivedio.providers.base import (
     InboxFields,
     MalformedResponse,
@@ -25,6 +23,8 @@ from aivedio.providers.base import (
     SubmitRequest,
 )
 from aivedio.providers.fal import FalAdapter
+from aivedio.providers.jwks import FalEd25519Verifier, JwksCache
+from aivedio.providers.verify import VerificationError, Verified
 from tests.unit.provider_contract import answered, check_query_errors, check_submit_sent_once
 
 KEY = Ed25519PrivateKey.generate()

@@ -15,7 +15,6 @@ import httpx
 import pytest
 
 from aivedio.domain.observation import ProviderStatus
-from aivedio.ingest.verify import VerificationError, Verified
 from aivedio.providers.base import (
     AuthFailed,
     InboxFields,
@@ -28,6 +27,7 @@ from aivedio.providers.base import (
     Unsupported,
 )
 from aivedio.providers.kling import KlingAdapter
+from aivedio.providers.verify import VerificationError, Verified
 from tests.unit.provider_contract import answered, check_query_errors, check_submit_sent_once
 
 TOKEN_SECRET = os.urandom(32)

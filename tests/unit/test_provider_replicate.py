@@ -10,7 +10,6 @@ import httpx
 import pytest
 
 from aivedio.domain.observation import ProviderStatus
-from aivedio.ingest.verify import Verified
 from aivedio.providers.base import (
     InboxFields,
     PayloadError,
@@ -18,6 +17,7 @@ from aivedio.providers.base import (
     SubmitRequest,
 )
 from aivedio.providers.replicate import ReplicateAdapter
+from aivedio.providers.verify import Verified
 from tests.unit.provider_contract import answered, check_query_errors, check_submit_sent_once
 
 SECRET = "whsec_" + base64.b64encode(b"r" * 24).decode()

@@ -11,7 +11,6 @@ import httpx
 import pytest
 
 from aivedio.domain.observation import ProviderStatus, Source
-from aivedio.ingest.verify import Verified
 from aivedio.providers.base import (
     InboxFields,
     MalformedResponse,
@@ -21,6 +20,7 @@ from aivedio.providers.base import (
     SubmitRequest,
 )
 from aivedio.providers.sandbox import SandboxAdapter
+from aivedio.providers.verify import Verified
 from tests.unit.provider_contract import answered, check_query_errors, check_submit_sent_once
 
 SECRET = "whsec_" + base64.b64encode(b"k" * 24).decode()

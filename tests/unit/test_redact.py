@@ -10,8 +10,8 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aivedio.ingest.callback_provider import REDACTED, StandardWebhooksJson, redact
-from aivedio.ingest.verify import StandardWebhooksVerifier
+from aivedio.providers.callback import REDACTED, StandardWebhooksJson, redact
+from aivedio.providers.verify import StandardWebhooksVerifier
 
 URL_KEYS = frozenset({"url"})
 

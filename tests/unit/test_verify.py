@@ -21,14 +21,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aivedio.ingest.jwks import (
+from aivedio.providers.jwks import (
     FalEd25519Verifier,
     JwksCache,
     JwksError,
     httpx_fetcher,
     parse_jwks,
 )
-from aivedio.ingest.verify import (
+from aivedio.providers.verify import (
     CallbackTokenVerifier,
     Reason,
     StandardWebhooksVerifier,

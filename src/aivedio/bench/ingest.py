@@ -68,7 +68,7 @@ from aivedio.db.pool import Database
 from aivedio.gateway.server import serve_http
 from aivedio.ingest.gateway import CallbackConfig, StandardWebhooksJson, callback_routes
 from aivedio.ingest.group_commit import GroupCommitConfig, InboxWriter
-from aivedio.ingest.verify import StandardWebhooksVerifier
+from aivedio.providers.verify import StandardWebhooksVerifier
 from aivedio.services.embedded import pgbench_path
 
 SECRET = "whsec_" + base64.b64encode(b"aivedio-bench-ingest-secret-0001").decode()

@@ -18,7 +18,9 @@ async def billing_role(
     consumer = BillingConsumer(rt.db, config or BillingConfig())
 
     async def consume(stopping: asyncio.Event) -> None:
-        bus = await connect_bus(bus_config or rt.settings.bus(rt.urls.nats_url), stopping)
+        bus = await connect_bus(
+            bus_config or BusConfig.from_settings(rt.settings, rt.urls.nats_url), stopping
+        )
         if bus is None:
             return
         try:

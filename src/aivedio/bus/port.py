@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
+from aivedio.config import Settings
 from aivedio.errors import AivedioError
 
 __all__ = [
@@ -77,6 +78,17 @@ class BusConfig:
     dead_letter_retention_s: float = 30 * 24 * 3600.0
     storage: Literal["file", "memory"] = "file"
     replicas: int = 1
+
+    @classmethod
+    def from_settings(cls, settings: Settings, nats_url: str) -> BusConfig:
+        """The bus config from the process settings (the NATS URL as resolved)."""
+        return cls(
+            url=nats_url,
+            replicas=settings.bus_replicas,
+            stream=settings.bus_stream,
+            subject_prefix=settings.bus_subject_prefix,
+            ack_wait_s=settings.bus_ack_wait_s,
+        )
 
 
 @dataclass(frozen=True, slots=True)

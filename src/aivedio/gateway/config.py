@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from aivedio.config import Settings
+
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
@@ -66,6 +68,29 @@ class GatewayConfig:
     # publish, the dispatcher's PUBLISH, this node's frame), for ``aivedio bench e2e``. Comments
     # are ignored by EventSource; the line holds only those numbers. Never on in production.
     timing: bool = False
+
+    @classmethod
+    def from_settings(cls, settings: Settings, redis_url: str) -> GatewayConfig:
+        """The gateway's config from the process settings (the Redis URL as resolved)."""
+        origins = tuple(
+            o.strip().lower() for o in settings.ws_allowed_origins.split(",") if o.strip()
+        )
+        return cls(
+            ws_allowed_origins=origins,
+            redis_url=redis_url,
+            channel=settings.gateway_channel,
+            token_secret=settings.derived_secret("stream-tokens"),
+            heartbeat_s=settings.gateway_heartbeat_s,
+            session_cap_s=settings.gateway_session_cap_s,
+            replay_cap=settings.gateway_replay_cap,
+            tailcheck_s=settings.gateway_tailcheck_s,
+            max_conns_per_user=settings.gateway_max_conns_per_user,
+            max_conns_per_tenant=settings.gateway_max_conns_per_tenant,
+            connect_rate_per_s=settings.gateway_connect_rate_per_s,
+            timing=settings.gateway_timing,
+            fanout=settings.fanout,
+            node_id=settings.gateway_node_id,
+        )
 
 
 def origin_of(url: str) -> str:

@@ -243,7 +243,12 @@ async def resume(
         page = await store.events(
             session.project_id, position.epoch, session.sent, joined_at, config.replay_page
         )
-        if not page:
+        if not page or any(e.seq != session.sent + 1 + i for i, e in enumerate(page)):
+            # Rows of (sent, joined_at] are gone: retention raised the floor and dropped them
+            # after the position was read. Never a silent partial replay: the session resets.
+            metrics.RESETS.labels("below_floor").inc()
+            session.sent = joined_at
+            session.write_control(frames.reset_event(position.epoch, joined_at, "below_floor"))
             break
         session.replay(page)
     session.go_live()

@@ -50,6 +50,7 @@ from prometheus_client import Counter, Gauge
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from aivedio.bus.port import BusConfig
 from aivedio.logs import log
 from aivedio.polling.ratelimit import mark_interests
 from aivedio.process.parts import RoleParts
@@ -537,7 +538,7 @@ async def node_dispatcher_role(
     from aivedio.propagation.dispatcher import DispatcherConfig
     from aivedio.propagation.roles import dispatcher_role
 
-    bus_cfg = rt.settings.bus(rt.urls.nats_url)
+    bus_cfg = BusConfig.from_settings(rt.settings, rt.urls.nats_url)
     cfg = config or DispatcherConfig(max_deliver=bus_cfg.max_deliver)
     rcfg = router_config or RouterConfig(prefix=cfg.channel_prefix)
     return await dispatcher_role(

@@ -11,14 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from aivedio.gateway import frames
 from aivedio.gateway.closecodes import CloseReason
 from aivedio.gateway.frames import Event
-
-if TYPE_CHECKING:
-    from aivedio.gateway.session import Session
 
 
 class Transport(Protocol):
@@ -68,6 +65,15 @@ def corked() -> Iterator[None]:
             transport.flush_held()
 
 
+class SessionEvents(Protocol):
+    """What a transport tells its session (``session.Session``) about the socket."""
+
+    def on_lost(self) -> None: ...
+    def on_paused(self) -> None: ...
+    def on_writable(self) -> None: ...
+    def close(self, reason: CloseReason) -> None: ...
+
+
 class SessionProtocol(asyncio.Protocol):
     """What every lean transport shares: the asyncio side of flow control, wired to its session.
 
@@ -79,7 +85,7 @@ class SessionProtocol(asyncio.Protocol):
 
     def __init__(self, transport: asyncio.Transport, high_water: int, low_water: int) -> None:
         self.transport = transport
-        self.session: Session | None = None
+        self.session: SessionEvents | None = None
         self._paused = False
         self._closed = False
         self._held: list[bytes] | None = None  # frames written inside ``corked()``

@@ -25,17 +25,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 from aivedio.gateway import frames, wsframes
 from aivedio.gateway.closecodes import CloseReason
 from aivedio.gateway.frames import Event
+from aivedio.gateway.session import Session
 from aivedio.gateway.transport import SessionProtocol
 
-if TYPE_CHECKING:
-    from aivedio.gateway.session import Session
-
-CommandSink = Callable[["Session", str], None]
+CommandSink = Callable[[Session, str], None]
 
 
 def ws_frame(event: Event) -> bytes:
@@ -59,6 +56,7 @@ class WsTransport(SessionProtocol):
         "max_message",
     )
     kind = "ws"
+    session: Session | None  # the base's slot, narrowed: commands are given the session itself
 
     def __init__(
         self,

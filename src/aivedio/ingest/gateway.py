@@ -60,14 +60,6 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from aivedio.errors import DatabaseUnavailable
-from aivedio.ingest.callback_provider import (
-    DEFAULT_MAX_BODY_BYTES,
-    CallbackProvider,
-    DedupInfo,
-    StandardWebhooksJson,
-    fallback_dedup_key,
-    redact,
-)
 from aivedio.ingest.group_commit import (
     InboxClosed,
     InboxError,
@@ -76,8 +68,16 @@ from aivedio.ingest.group_commit import (
     InboxWriter,
     Outcome,
 )
-from aivedio.ingest.verify import VerificationError, Verified
 from aivedio.logs import log, new_trace_id, trace_id_var
+from aivedio.providers.callback import (
+    DEFAULT_MAX_BODY_BYTES,
+    CallbackProvider,
+    DedupInfo,
+    StandardWebhooksJson,
+    fallback_dedup_key,
+    redact,
+)
+from aivedio.providers.verify import VerificationError, Verified
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -388,7 +388,7 @@ class CallbackEndpoint:
         self, request: CallbackRequest, body: bytes, reply: Callable[[Answer], None]
     ) -> bool:
         """:meth:`finish` without a coroutine, when the provider's verifier never waits
-        (:class:`~aivedio.ingest.verify.ImmediateVerifier`): checks now, the row queued with
+        (:class:`~aivedio.providers.verify.ImmediateVerifier`): checks now, the row queued with
         :meth:`InboxWriter.enqueue`, and ``reply(answer)`` called once, with the rejection at
         once or with the outcome after the commit. False (nothing done) for another verifier:
         await :meth:`finish` instead."""

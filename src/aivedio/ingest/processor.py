@@ -80,6 +80,7 @@ from aivedio.providers.base import (
     RateLimited,
     sample_of,
 )
+from aivedio.providers.registry import build_providers, providers_config
 from aivedio.runtime import Runtime
 from aivedio.state.service import ApplyResult, StateService
 
@@ -720,8 +721,6 @@ async def replay(db: Database, inbox_id: int) -> bool:
 
 async def inbox_role(rt: Runtime) -> RoleParts:
     """``aivedio run --role inbox``: one processor loop over the configured adapters."""
-    from aivedio.providers.registry import build_providers, providers_config
-
     adapters = build_providers(providers_config(rt.settings))
     processor = InboxProcessor(
         rt.db,

@@ -5,12 +5,11 @@ from __future__ import annotations
 from aivedio.ingest.gateway import CallbackConfig, callback_routes
 from aivedio.ingest.group_commit import GroupCommitConfig, InboxWriter
 from aivedio.process.parts import RoleParts
+from aivedio.providers.registry import build_providers, callback_providers, providers_config
 from aivedio.runtime import Runtime
 
 
 async def callbacks_role(rt: Runtime) -> RoleParts:
-    from aivedio.providers.registry import build_providers, callback_providers, providers_config
-
     adapters = build_providers(providers_config(rt.settings))
     writer = InboxWriter(
         rt.db,

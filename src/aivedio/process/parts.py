@@ -1,8 +1,8 @@
 """What a role adds to a process: HTTP routes, named background loops, stop hooks.
 
 A role module's factory (``async def <name>_role(rt: Runtime) -> RoleParts``) builds these;
-``aivedio.roles`` composes them into one process. This module imports no role module, so every
-role module can import it at module level.
+``aivedio.roles`` composes them into one process (``RoleFactory`` is declared there). This module
+imports no role module and not the runtime, so every role module can import it at module level.
 """
 
 from __future__ import annotations
@@ -14,12 +14,10 @@ from typing import TYPE_CHECKING
 
 from starlette.routing import BaseRoute
 
-from aivedio.runtime import Runtime
-
 if TYPE_CHECKING:
     from aivedio.gateway import Gateway
 
-__all__ = ["Loop", "RoleFactory", "RoleLoop", "RoleParts"]
+__all__ = ["Loop", "RoleLoop", "RoleParts"]
 
 Loop = Callable[[asyncio.Event], Awaitable[None]]
 """A background loop: runs until the event (the process is stopping) is set."""
@@ -45,6 +43,3 @@ class RoleParts:
     """Run after the HTTP server and every loop have stopped (drain, close clients)."""
     gateway: Gateway | None = None
     """The SSE gateway, served on the shared port by ``serve_http``."""
-
-
-RoleFactory = Callable[[Runtime], Awaitable[RoleParts]]

@@ -65,7 +65,7 @@ async def relay_role(
     replicas: int = 1,
 ) -> RoleParts:
     """``replicas`` relay loops in this process (each one claims its own batches)."""
-    bus_cfg = bus_config or rt.settings.bus(rt.urls.nats_url)
+    bus_cfg = bus_config or BusConfig.from_settings(rt.settings, rt.urls.nats_url)
 
     async def loop(stopping: asyncio.Event) -> None:
         bus = await connect_bus(bus_cfg, stopping)
@@ -98,7 +98,7 @@ async def dispatcher_role(
     router: RouterFactory | None = None,
 ) -> RoleParts:
     """The ``dispatcher`` role: broadcast fan-out, or the routes ``router`` makes (node mode)."""
-    bus_cfg = bus_config or rt.settings.bus(rt.urls.nats_url)
+    bus_cfg = bus_config or BusConfig.from_settings(rt.settings, rt.urls.nats_url)
     cfg = config or DispatcherConfig(max_deliver=bus_cfg.max_deliver)
 
     async def loop(stopping: asyncio.Event) -> None:

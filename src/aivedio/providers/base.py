@@ -3,7 +3,7 @@
 An adapter has two sides:
 
 gateway / processor side
-    the :class:`~aivedio.ingest.callback_provider.CallbackProvider` protocol (``name``,
+    the :class:`~aivedio.providers.callback.CallbackProvider` protocol (``name``,
     ``verifier``, ``max_body_bytes``, ``dedup``, ``minimize``) plus
     :meth:`ProviderAdapter.normalize`, which turns a stored (minimized) callback payload
     into a :class:`JobState`.
@@ -34,7 +34,7 @@ import httpx
 from aivedio.domain.observation import ProviderObservation, ProviderStatus, Source
 from aivedio.domain.public import PUBLIC_ERRORS
 from aivedio.errors import AivedioError
-from aivedio.ingest.callback_provider import CallbackProvider, redact
+from aivedio.providers.callback import CallbackProvider, redact
 
 __all__ = [
     "AuthFailed",

@@ -7,9 +7,9 @@ from typing import Any
 
 import httpx
 
-from aivedio.ingest.callback_provider import DEFAULT_MAX_BODY_BYTES, redact
-from aivedio.ingest.verify import Reason, VerificationError, Verified, Verifier
 from aivedio.providers.base import HttpConfig, HttpSender, Unsupported, new_client
+from aivedio.providers.callback import DEFAULT_MAX_BODY_BYTES, redact
+from aivedio.providers.verify import Reason, VerificationError, Verified, Verifier
 
 CALLBACK_PATH = "/v1/callbacks/{name}"
 

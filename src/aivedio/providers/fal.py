@@ -9,7 +9,7 @@
   400 ``ALREADY_COMPLETED``;
 - one webhook per request, at completion: ``{request_id, gateway_request_id, status: OK | ERROR,
   payload, error, payload_error}``, signed ED25519 over ``request_id\\nuser_id\\ntimestamp\\n
-  sha256hex(body)`` with keys from fal's JWKS (:class:`~aivedio.ingest.jwks.FalEd25519Verifier`).
+  sha256hex(body)`` with keys from fal's JWKS (:class:`~aivedio.providers.jwks.FalEd25519Verifier`).
   fal signs no delivery id, so the dedup key is the fallback hash of (request_id, status, body).
 - ``request_id`` is the task id used for mapping (``gateway_request_id`` only names the last try).
   fal echoes nothing of ours: an early callback waits as an orphan until the submitter records the
@@ -26,8 +26,6 @@ from urllib.parse import quote
 import httpx
 
 from aivedio.domain.observation import ProviderStatus
-from aivedio.ingest.callback_provider import DEFAULT_MAX_BODY_BYTES, DedupInfo, fallback_dedup_key
-from aivedio.ingest.verify import Verified, Verifier
 from aivedio.providers.base import (
     HttpConfig,
     InboxFields,
@@ -41,7 +39,9 @@ from aivedio.providers.base import (
     sample_of,
     text_of,
 )
+from aivedio.providers.callback import DEFAULT_MAX_BODY_BYTES, DedupInfo, fallback_dedup_key
 from aivedio.providers.common import AdapterBase
+from aivedio.providers.verify import Verified, Verifier
 
 QUEUE_STATUSES: dict[str, ProviderStatus] = {
     "IN_QUEUE": ProviderStatus.QUEUED,

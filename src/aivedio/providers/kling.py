@@ -10,7 +10,8 @@
   updated_at (ms), task_info: {external_task_id}, task_result: {videos: [{id, url, duration}]}}``
   with statuses ``submitted | processing | succeed | failed``;
 - nothing is signed: the callback URL carries ``?token=`` minted per attempt
-  (:func:`~aivedio.ingest.verify.mint_callback_token`), which authenticates the URL, not the body.
+  (:func:`~aivedio.providers.verify.mint_callback_token`), which authenticates the URL, not the
+  body.
   ``needs_refetch_on_callback``: the processor queries the task before it changes any state.
 - envelope ``code`` -> error: 1000-1099 auth, 1100-1199 account (submit_rejected), 1200-1299
   parameters (invalid_request), 1300-1301 content policy (content_rejected), 1302-1304 rate or
@@ -32,8 +33,6 @@ from urllib.parse import quote
 import httpx
 
 from aivedio.domain.observation import ProviderStatus
-from aivedio.ingest.callback_provider import DEFAULT_MAX_BODY_BYTES, DedupInfo, fallback_dedup_key
-from aivedio.ingest.verify import CallbackTokenVerifier, Verified, mint_callback_token
 from aivedio.providers.base import (
     AuthFailed,
     HttpConfig,
@@ -52,7 +51,9 @@ from aivedio.providers.base import (
     text_of,
     time_of,
 )
+from aivedio.providers.callback import DEFAULT_MAX_BODY_BYTES, DedupInfo, fallback_dedup_key
 from aivedio.providers.common import AdapterBase
+from aivedio.providers.verify import CallbackTokenVerifier, Verified, mint_callback_token
 
 STATUSES: dict[str, ProviderStatus] = {
     "submitted": ProviderStatus.QUEUED,

@@ -14,10 +14,10 @@ import httpx
 
 from aivedio.config import Settings
 from aivedio.errors import ConfigError
-from aivedio.ingest.callback_provider import DEFAULT_MAX_BODY_BYTES, CallbackProvider
-from aivedio.ingest.jwks import FalEd25519Verifier, JwksCache, httpx_fetcher
 from aivedio.providers.base import HttpConfig, ProviderAdapter
+from aivedio.providers.callback import DEFAULT_MAX_BODY_BYTES, CallbackProvider
 from aivedio.providers.fal import FalAdapter
+from aivedio.providers.jwks import FalEd25519Verifier, JwksCache, httpx_fetcher
 from aivedio.providers.kling import KlingAdapter
 from aivedio.providers.replicate import ReplicateAdapter
 from aivedio.providers.runway import RunwayAdapter

@@ -22,12 +22,6 @@ from typing import Any
 import httpx
 
 from aivedio.domain.observation import ProviderStatus
-from aivedio.ingest.callback_provider import (
-    DEFAULT_MAX_BODY_BYTES,
-    DedupInfo,
-    fallback_dedup_key,
-)
-from aivedio.ingest.verify import StandardWebhooksVerifier, Verified
 from aivedio.providers.base import (
     HttpConfig,
     InboxFields,
@@ -41,7 +35,13 @@ from aivedio.providers.base import (
     text_of,
     time_of,
 )
+from aivedio.providers.callback import (
+    DEFAULT_MAX_BODY_BYTES,
+    DedupInfo,
+    fallback_dedup_key,
+)
 from aivedio.providers.common import AdapterBase
+from aivedio.providers.verify import StandardWebhooksVerifier, Verified
 
 STATUSES: dict[str, ProviderStatus] = {
     "starting": ProviderStatus.QUEUED,

@@ -24,8 +24,6 @@ from typing import Any
 import httpx
 
 from aivedio.domain.observation import ProviderStatus
-from aivedio.ingest.callback_provider import DedupInfo, fallback_dedup_key
-from aivedio.ingest.verify import Verified
 from aivedio.providers.base import (
     HttpConfig,
     InboxFields,
@@ -41,7 +39,9 @@ from aivedio.providers.base import (
     text_of,
     time_of,
 )
+from aivedio.providers.callback import DedupInfo, fallback_dedup_key
 from aivedio.providers.common import AdapterBase, NoCallbacks
+from aivedio.providers.verify import Verified
 
 API_VERSION = "2024-11-06"
 

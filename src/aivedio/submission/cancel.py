@@ -33,6 +33,7 @@ from aivedio.db.queries import q
 from aivedio.domain.observation import PlatformKind, PlatformObservation, Source
 from aivedio.domain.statuses import Status
 from aivedio.logs import log, trace_id_var
+from aivedio.process.rounds import backoff, run_rounds
 from aivedio.providers.base import (
     AuthFailed,
     ProviderAdapter,
@@ -42,7 +43,6 @@ from aivedio.providers.base import (
 )
 from aivedio.state.service import StateService
 from aivedio.submission.config import CancelConfig
-from aivedio.submission.loop import backoff, run_rounds
 
 logger = logging.getLogger("aivedio.cancel")
 

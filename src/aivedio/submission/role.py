@@ -1,5 +1,5 @@
-"""The loops of the ``submitter`` and ``reconciler`` roles (``aivedio run --role ...``); the role
-factories in ``aivedio.roles`` wrap these lists in ``RoleParts(loops=...)``."""
+"""The loops of the ``submitter`` role (``aivedio run --role submitter``); the role factory in
+``aivedio.roles`` wraps this list in ``RoleParts(loops=...)``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ from collections.abc import Mapping
 from aivedio.db.pool import Database
 from aivedio.process.parts import RoleLoop
 from aivedio.providers.base import ProviderAdapter
-from aivedio.reconcile.config import ReconcilerConfig
-from aivedio.reconcile.reconciler import Reconciler
 from aivedio.state.service import StateService
 from aivedio.submission.cancel import CancelWorker
 from aivedio.submission.config import CancelConfig, SubmitterConfig
@@ -28,12 +26,3 @@ def submitter_loops(
         RoleLoop("submitter", Submitter(db, state, adapters, submit).run),
         RoleLoop("cancel", CancelWorker(db, state, adapters, cancel).run),
     ]
-
-
-def reconciler_loops(
-    db: Database,
-    state: StateService,
-    adapters: Mapping[str, ProviderAdapter],
-    config: ReconcilerConfig | None = None,
-) -> list[RoleLoop]:
-    return [RoleLoop("reconciler", Reconciler(db, state, adapters, config).run)]

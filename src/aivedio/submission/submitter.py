@@ -46,6 +46,7 @@ from aivedio.db.queries import q
 from aivedio.domain.observation import PlatformKind, PlatformObservation, Source
 from aivedio.domain.public import PUBLIC_ERRORS
 from aivedio.logs import log, trace_id_var
+from aivedio.process.rounds import backoff, run_rounds
 from aivedio.providers.base import (
     AuthFailed,
     MalformedResponse,
@@ -61,7 +62,6 @@ from aivedio.providers.base import (
 )
 from aivedio.state.service import StateService
 from aivedio.submission.config import SubmitterConfig
-from aivedio.submission.loop import backoff, run_rounds
 
 logger = logging.getLogger("aivedio.submitter")
 

@@ -21,7 +21,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from aivedio.errors import AivedioError
-from aivedio.ingest.verify import (
+from aivedio.providers.verify import (
     DEFAULT_TOLERANCE_S,
     Reason,
     VerificationError,

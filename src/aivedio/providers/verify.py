@@ -7,7 +7,7 @@ sends the reason to a metric and a log line, never to the caller. Exception mess
 secret, a signature or a token.
 
 Here: the shared types, Standard Webhooks v1 (HMAC) and callback tokens for unsigned providers;
-fal-style ED25519 with its JWKS cache is in :mod:`aivedio.ingest.jwks`. Every check is pure apart
+fal-style ED25519 with its JWKS cache is in :mod:`aivedio.providers.jwks`. Every check is pure apart
 from the JWKS fetch: no environment reads, no module state, the clock passed in as ``now`` (Unix
 seconds). Headers are a mapping with lower-cased names.
 Order of checks: headers present, headers well formed, signature, then timestamp window; so
@@ -159,7 +159,7 @@ class ImmediateVerifier(Verifier, Protocol):
         return self.verify_now(headers, body, now, callback_token=callback_token)
 
 
-# --- Checks shared by the verifiers (also used by aivedio.ingest.jwks) ---------------------------
+# --- Checks shared by the verifiers (also used by aivedio.providers.jwks) ------------------------
 
 
 def require_headers(headers: Mapping[str, str], *names: str) -> list[str]:

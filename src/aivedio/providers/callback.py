@@ -5,7 +5,7 @@ A provider adapter implements this small protocol (or uses :class:`StandardWebho
 ``name``
     The path segment of ``POST /v1/callbacks/{name}`` and the ``provider`` column of the inbox.
 ``verifier``
-    An :class:`aivedio.ingest.verify.Verifier` run on the raw bytes before anything is parsed
+    An :class:`aivedio.providers.verify.Verifier` run on the raw bytes before anything is parsed
     (``StandardWebhooksVerifier``, ``FalEd25519Verifier``, ``CallbackTokenVerifier``).
 ``max_body_bytes``
     The body limit, enforced while reading (256 KiB unless the provider needs more).
@@ -32,7 +32,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
-from aivedio.ingest.verify import Verified, Verifier
+from aivedio.providers.verify import Verified, Verifier
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
