@@ -163,6 +163,9 @@ def test_create_watch_to_ready_play_inline_and_read_the_timeline(page: Page, dem
     assert page.evaluate("document.getElementById('player').videoWidth") > 0
     # the audit trail is read (the sandbox's duplicate-free run may have nothing to show)
     expect(page.locator("#audit")).to_have_attribute("data-entries", re.compile(r"^\d+$"))
+    # the OpenAPI reference is one link away
+    expect(page.locator("#api-docs")).to_have_attribute("href", "/docs")
+    assert httpx.get(f"{demo.base}/docs").status_code == 200
     shot = os.environ.get("AIVEDIO_CONSOLE_SCREENSHOT")
     if shot:  # the README's picture
         page.set_viewport_size({"width": 1400, "height": 900})
