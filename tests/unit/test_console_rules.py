@@ -12,7 +12,6 @@ import pytest
 
 from aivedio.api.http import ApiError
 from aivedio.api.sandbox import SandboxChaos
-
 from aivedio.domain.statuses import CANCELABLE, PUBLIC_STATUSES, RETRYABLE, STATUS_TABLE
 from aivedio.gateway.outage import Outages
 from aivedio.state.tasks import changed_fields
