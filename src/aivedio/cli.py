@@ -312,6 +312,22 @@ def _cmd_capacity(args: argparse.Namespace, settings: Settings) -> int:
         return 2
 
 
+def _cmd_status(args: argparse.Namespace, settings: Settings) -> int:
+    """A live terminal view (or one frame with ``--once``) from PostgreSQL and ``/metrics``."""
+    from aivedio.admin import resolve_database_url
+    from aivedio.status import run_status
+
+    urls = args.metrics_url or [f"http://127.0.0.1:{settings.port}/metrics"]
+    try:
+        return asyncio.run(
+            run_status(
+                resolve_database_url(settings), urls, once=args.once, interval_s=args.interval
+            )
+        )
+    except KeyboardInterrupt:
+        return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aivedio", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -465,6 +481,23 @@ def build_parser() -> argparse.ArgumentParser:
         "options", nargs="*", help="key=value: e2e=FILE or measure=1, workload (see the docs)"
     )
     capacity.set_defaults(func=_cmd_capacity)
+
+    status = sub.add_parser(
+        "status",
+        help="live view: backlogs, tasks in flight, connections, lags, dead letters, "
+        "reconciliation items",
+    )
+    status.add_argument(
+        "--once", action="store_true", help="print one frame, then its figures as JSON, and exit"
+    )
+    status.add_argument("--interval", type=float, default=2.0, help="seconds between frames")
+    status.add_argument(
+        "--metrics-url",
+        action="append",
+        default=None,
+        help="a process's /metrics (repeat for each process; default: this host's AIVEDIO_PORT)",
+    )
+    status.set_defaults(func=_cmd_status)
     return parser
 
 

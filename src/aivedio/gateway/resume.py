@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 
 from aivedio.gateway import frames, metrics
@@ -106,6 +107,20 @@ class ProjectStream:
         metrics.FRAMES.inc(len(self.sessions))  # one per session (filtered ones included)
         for session in tuple(self.sessions):
             session.deliver(event)
+        if event.stored_at is not None and self.sessions:  # once per event and node
+            metrics.EVENT_AGE.labels(source).observe(max(0.0, time.time() - event.stored_at))
+        if logger.isEnabledFor(logging.DEBUG):
+            log(
+                logger,
+                logging.DEBUG,
+                "frame written",
+                trace_id=event.trace_id,
+                project_id=str(self.project_id),
+                task_id=event.task_id,
+                seq=event.seq,
+                source=source,
+                sessions=len(self.sessions),
+            )
 
     def _drain(self) -> None:
         pending = self._pending
