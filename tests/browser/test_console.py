@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
 
-from tests.browser.conftest import Stack
+from tests.browser.conftest import Stack, aivedio, free_port, start_core
 
 if TYPE_CHECKING:
     from playwright.sync_api import ConsoleMessage, Locator, Page
@@ -454,3 +455,30 @@ def test_the_console_api_answers_as_documented(demo: Stack) -> None:
         f"{demo.base}/v1/projects/{demo.project_id}/tasks/{other}/events", headers=auth
     )
     assert none.status_code == 404
+
+
+def test_without_the_sandbox_there_is_no_chaos_panel_and_no_console_error(
+    page: Page, env: dict[str, str], tmp_path: Path, stacks: list[Stack]
+) -> None:
+    """A deployment with the sandbox provider off: the page does not even probe its knobs (a
+    404 would be an error in the browser's console) and shows no chaos panel."""
+    from playwright.sync_api import expect
+
+    env = env | {"AIVEDIO_SANDBOX_ENABLED": "false", "AIVEDIO_PORT": str(free_port())}
+    made = aivedio(env, "admin", "create-project", "--tenant", "plain", "--project", "plain")
+    stack = Stack(
+        f"http://127.0.0.1:{env['AIVEDIO_PORT']}",
+        str(made["project_id"]),
+        str(made["api_key"]),
+        [],
+        env,
+        tmp_path,
+    )
+    stacks.append(stack)
+    start_core(stack)
+    probes: list[str] = []
+    page.on("request", lambda r: probes.append(r.url) if "/sandbox/" in r.url else None)
+    watch = open_console(page, stack)
+    expect(page.locator("#chaos")).to_be_hidden()
+    assert probes == []
+    watch.assert_clean()
