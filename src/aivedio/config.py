@@ -18,6 +18,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from aivedio.channels import broadcast_channel
+
 
 @dataclass(frozen=True, slots=True)
 class DatabaseConfig:
@@ -102,7 +104,7 @@ class Settings(BaseSettings):
     kling_callback_secrets: str = ""
     log_level: str = "INFO"
     secret_key: str | None = None
-    gateway_channel: str = "aivedio:events"
+    gateway_channel: str = broadcast_channel()
     gateway_heartbeat_s: float = 20.0
     gateway_session_cap_s: float = 1800.0
     gateway_replay_cap: int = 1000

@@ -51,6 +51,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from aivedio.bus.port import BusConfig
+from aivedio.channels import INTEREST_PREFIX, node_channel, routes_changed_channel, routes_key
 from aivedio.logs import log
 from aivedio.polling.ratelimit import mark_interests
 from aivedio.process.parts import RoleParts
@@ -100,20 +101,6 @@ ROUTE_REFRESHES = Counter(
 )
 
 _NODE_ID = re.compile(r"^[A-Za-z0-9._-]{1,100}$")
-
-
-def node_channel(prefix: str, node_id: str) -> str:
-    """The Pub/Sub channel of one gateway node."""
-    return f"{prefix}:node:{node_id}"
-
-
-def routes_key(prefix: str) -> str:
-    """The sorted set of ``<project_id>:<node_id>`` members scored by expiry (unix ms)."""
-    return f"{prefix}:routes"
-
-
-def routes_changed_channel(prefix: str) -> str:
-    return f"{prefix}:routes:changed"
 
 
 def new_node_id() -> str:
@@ -288,7 +275,7 @@ class InterestMarks:
         redis: Redis,
         targets: Callable[[], Iterable[Target]],
         ttl_s: float = 30.0,
-        prefix: str = "aivedio:interest",
+        prefix: str = INTEREST_PREFIX,
         timeout_s: float = 2.0,
     ) -> None:
         self.redis = redis
