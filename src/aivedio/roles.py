@@ -25,7 +25,6 @@ from aivedio.config import Settings
 from aivedio.errors import ConfigError, DatabaseUnavailable
 from aivedio.gateway import Gateway, stream_token_routes
 from aivedio.gateway.config import GatewayConfig
-from aivedio.gateway.routing import node_dispatcher_role
 from aivedio.gateway.server import serve_http
 from aivedio.ingest.processor import inbox_role
 from aivedio.ingest.role import callbacks_role
@@ -36,6 +35,7 @@ from aivedio.process.parts import RoleLoop, RoleParts
 from aivedio.process.restart import RestartPolicy, restart_delay
 from aivedio.process.supervisor import supervise
 from aivedio.propagation.roles import dispatcher_role, relay_role
+from aivedio.propagation.routing import node_dispatcher_role
 from aivedio.providers.base import ProviderAdapter
 from aivedio.providers.registry import build_providers, providers_config
 from aivedio.reconcile.role import reconciler_loops

@@ -13,19 +13,13 @@ import pytest
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
+from aivedio.channels import broadcast_channel, node_channel, routes_changed_channel, routes_key
 from aivedio.config import Settings
 from aivedio.db.pool import Database
 from aivedio.domain.observation import ProviderStatus
 from aivedio.gateway.config import GatewayConfig
-from aivedio.gateway.routing import (
-    NodeRouter,
-    NodeRoutes,
-    RouterConfig,
-    node_channel,
-    routes_changed_channel,
-    routes_key,
-)
-from aivedio.propagation.dispatcher import broadcast_channel
+from aivedio.gateway.routing import NodeRoutes
+from aivedio.propagation.routing import NodeRouter, RouterConfig
 from tests.integration.propagation import Subscriber, running
 from tests.integration.test_gateway_chaos import (
     all_delivered,
