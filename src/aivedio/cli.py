@@ -39,6 +39,7 @@ ROLES = (
     "media",
     "billing",
     "reconciler",
+    "maintenance",
 )
 
 
@@ -76,6 +77,44 @@ def _cmd_admin(args: argparse.Namespace, settings: Settings) -> int:
     result = asyncio.run(create_project(settings, tenant=args.tenant, project=args.project))
     _print_json(result)
     return 0
+
+
+def _cmd_bump_epoch(args: argparse.Namespace, settings: Settings) -> int:
+    from aivedio.retention.epochs import bump_epoch
+
+    if args.all == (args.project is not None):
+        print("bump-epoch takes --project ID or --all", file=sys.stderr)
+        return 2
+
+    async def go() -> int:
+        db = await _database(settings)
+        try:
+            async with db.connection() as conn:
+                streams = await bump_epoch(conn, None if args.all else [args.project])
+        finally:
+            await db.close()
+        for stream in streams:
+            _print_json(stream)
+        _print_json({"bumped": len(streams)})
+        return 0 if streams else 1
+
+    return asyncio.run(go())
+
+
+def _cmd_maintenance(args: argparse.Namespace, settings: Settings) -> int:
+    from aivedio.retention.config import RetentionConfig
+    from aivedio.retention.maintenance import Maintenance
+
+    async def go() -> int:
+        db = await _database(settings)
+        try:
+            result = await Maintenance(db, RetentionConfig.from_settings(settings)).run_once()
+        finally:
+            await db.close()
+        _print_json(result.as_dict())
+        return 0
+
+    return asyncio.run(go())
 
 
 def _check_providers(settings: Settings) -> None:
@@ -262,6 +301,33 @@ def _cmd_bench(args: argparse.Namespace, settings: Settings) -> int:
     return code
 
 
+def _cmd_capacity(args: argparse.Namespace, settings: Settings) -> int:
+    from aivedio.bench.common import BenchUsageError
+    from aivedio.capacity import run_capacity
+
+    try:
+        return run_capacity(args.options)
+    except BenchUsageError as exc:
+        print(f"capacity: {exc}", file=sys.stderr)
+        return 2
+
+
+def _cmd_status(args: argparse.Namespace, settings: Settings) -> int:
+    """A live terminal view (or one frame with ``--once``) from PostgreSQL and ``/metrics``."""
+    from aivedio.admin import resolve_database_url
+    from aivedio.status import run_status
+
+    urls = args.metrics_url or [f"http://127.0.0.1:{settings.port}/metrics"]
+    try:
+        return asyncio.run(
+            run_status(
+                resolve_database_url(settings), urls, once=args.once, interval_s=args.interval
+            )
+        )
+    except KeyboardInterrupt:
+        return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="aivedio", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -280,6 +346,20 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--tenant", required=True)
     create.add_argument("--project", required=True)
     create.set_defaults(func=_cmd_admin)
+    bump = admin_sub.add_parser(
+        "bump-epoch",
+        help="a new epoch for one project's stream or all (after a restore): every cursor "
+        "issued before gets `reset`",
+    )
+    bump.add_argument("--project", type=uuid.UUID, default=None)
+    bump.add_argument("--all", action="store_true")
+    bump.set_defaults(func=_cmd_bump_epoch)
+    maint = admin_sub.add_parser(
+        "maintenance",
+        help="one maintenance round now (partitions ahead, event retention with floors, outbox "
+        "and inbox purges); JSON line last",
+    )
+    maint.set_defaults(func=_cmd_maintenance)
 
     run = sub.add_parser("run", help="run roles in this process")
     run.add_argument("--role", action="append", required=True, help=", ".join(ROLES))
@@ -393,6 +473,31 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name")
     bench.add_argument("options", nargs="*", help="key=value options of the benchmark")
     bench.set_defaults(func=_cmd_bench)
+
+    capacity = sub.add_parser(
+        "capacity", help="a deployment plan from measured figures; the last line is JSON"
+    )
+    capacity.add_argument(
+        "options", nargs="*", help="key=value: e2e=FILE or measure=1, workload (see the docs)"
+    )
+    capacity.set_defaults(func=_cmd_capacity)
+
+    status = sub.add_parser(
+        "status",
+        help="live view: backlogs, tasks in flight, connections, lags, dead letters, "
+        "reconciliation items",
+    )
+    status.add_argument(
+        "--once", action="store_true", help="print one frame, then its figures as JSON, and exit"
+    )
+    status.add_argument("--interval", type=float, default=2.0, help="seconds between frames")
+    status.add_argument(
+        "--metrics-url",
+        action="append",
+        default=None,
+        help="a process's /metrics (repeat for each process; default: this host's AIVEDIO_PORT)",
+    )
+    status.set_defaults(func=_cmd_status)
     return parser
 
 

@@ -10,7 +10,8 @@ and the streams get three replicas (``AIVEDIO_BUS_REPLICAS``), so losing one nod
 
 Every process the cluster starts is supervised: when one exits (a crash, a SIGKILL, an exit for a
 configuration error) it is started again after a jittered, capped exponential backoff
-(:func:`restart_delay`), reset after a healthy spell. Ctrl-C (or SIGTERM) stops every process:
+(:func:`aivedio.process.restart.restart_delay`, as for a failed role loop), reset after a
+healthy spell. Ctrl-C (or SIGTERM) stops every process:
 SIGTERM, then SIGKILL after ``stop_timeout_s``. The embedded PostgreSQL, Valkey and single NATS
 keep running, as after ``aivedio demo`` (``aivedio services down`` stops them); the cluster's own
 NATS nodes stop with it.
@@ -31,13 +32,14 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from aivedio.config import Settings
 from aivedio.logs import log, setup_logging
+from aivedio.process.restart import RestartPolicy, consecutive_failures, restart_delay
 from aivedio.services import nats_cluster
 from aivedio.services.embedded import ServiceUrls
 
@@ -46,7 +48,6 @@ __all__ = [
     "Cluster",
     "ClusterConfig",
     "Member",
-    "restart_delay",
     "run_cluster",
 ]
 
@@ -62,7 +63,7 @@ SPLIT_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("dispatcher", ("dispatcher",)),
     ("media", ("media",)),
     ("billing", ("billing",)),
-    ("reconciler", ("reconciler",)),
+    ("reconciler", ("reconciler", "maintenance")),
 )
 HTTP_ROLES = frozenset({"api", "callbacks", "gateway"})
 
@@ -75,21 +76,13 @@ class ClusterConfig:
     nats_cluster: int = 0  # 0: one NATS (configured or embedded); 3: a three-node cluster
     sandbox: bool = False
     port: int = 8000
-    restart_base_s: float = 0.5
-    restart_cap_s: float = 30.0
-    healthy_after_s: float = 30.0  # a process that ran this long starts its backoff afresh
+    # A process that exits waits as a failed role loop does (aivedio.process.restart), but a
+    # process that ran 30 s counts as healthy.
+    restart: RestartPolicy = field(
+        default_factory=lambda: RestartPolicy(first_s=0.5, cap_s=30.0, healthy_s=30.0)
+    )
     stop_timeout_s: float = 20.0
     extra_env: Mapping[str, str] = field(default_factory=dict)  # for every process started
-
-
-def restart_delay(
-    failures: int, base_s: float, cap_s: float, rand: Callable[[], float] = random.random
-) -> float:
-    """Pause before restarting a process that exited ``failures`` times in a row (>= 1):
-    ``min(cap, base * 2^(failures-1))`` scaled by uniform(0.5, 1.0), so processes that died
-    together do not come back in lockstep."""
-    exponent = min(max(0, failures - 1), 30)
-    return min(cap_s, base_s * 2.0**exponent) * (0.5 + 0.5 * rand())
 
 
 @dataclass
@@ -304,12 +297,9 @@ class Cluster:
             if self._stopping.is_set():
                 return
             member.exits.append(code)
-            if time.monotonic() - member.started_at >= cfg.healthy_after_s:
-                member.failures = 0
-            member.failures += 1
-            delay = restart_delay(
-                member.failures, cfg.restart_base_s, cfg.restart_cap_s, self.rand.random
-            )
+            ran_s = time.monotonic() - member.started_at
+            member.failures = consecutive_failures(member.failures, ran_s, cfg.restart)
+            delay = restart_delay(member.failures, cfg.restart, self.rand.random())
             log(
                 logger,
                 logging.WARNING,

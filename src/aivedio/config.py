@@ -9,16 +9,30 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from aivedio.channels import broadcast_channel
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(d|h|m|s)?\s*$")
+_UNIT_S = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, None: 1.0}
+
+
+def parse_duration(value: object) -> object:
+    """``7d``, ``72h``, ``30m``, ``90s`` or plain seconds; anything else goes to pydantic's own
+    timedelta parsing (ISO 8601 ``P7D``)."""
+    if isinstance(value, int | float):
+        return timedelta(seconds=value)
+    if isinstance(value, str) and (match := _DURATION.match(value.lower())):
+        return timedelta(seconds=float(match[1]) * _UNIT_S[match[2]])
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +152,37 @@ class Settings(BaseSettings):
     poll_limits: str = ""
     poll_replicas: int = 1
     poll_concurrency: int = 64
+    # Retention (the maintenance role; docs/explanation/retention.md). Durations: 7d, 72h, 30m,
+    # 90s, seconds, or ISO 8601.
+    event_retention: timedelta = timedelta(days=7)
+    event_partitions_ahead: int = Field(default=7, ge=1, le=366)
+    outbox_retention: timedelta = timedelta(days=1)
+    callback_dedup_window: timedelta = timedelta(days=7)
+    maintenance_interval_s: float = Field(default=300.0, gt=0)
+    maintenance_batch: int = Field(default=1000, ge=1)
+
+    _durations = field_validator(
+        "event_retention", "outbox_retention", "callback_dedup_window", mode="before"
+    )(parse_duration)
+
+    @field_validator("event_retention")
+    @classmethod
+    def _one_partition_at_least(cls, value: timedelta) -> timedelta:
+        if value < timedelta(days=1):
+            raise ValueError("must be at least 1 day (task_events keeps whole days)")
+        return value
+
+    @field_validator("callback_dedup_window")
+    @classmethod
+    def _outlasts_provider_retries(cls, value: timedelta) -> timedelta:
+        from aivedio.retention.config import LONGEST_PROVIDER_RETRY
+
+        if value <= LONGEST_PROVIDER_RETRY:
+            raise ValueError(
+                "must exceed the longest provider retry window (72h: OpenAI); a duplicate "
+                "arriving later would be stored as a new callback"
+            )
+        return value
 
     def master_secret(self) -> bytes:
         """The key every signing secret is derived from (stream tokens, callback tokens,

@@ -19,12 +19,14 @@ from typing import Any
 from starlette.applications import Starlette
 
 from aivedio.api.app import create_app
+from aivedio.api.sandbox import SandboxChaos, sandbox_routes
 from aivedio.api.sessions import session_routes
 from aivedio.billing.role import billing_role
 from aivedio.config import Settings
 from aivedio.errors import ConfigError, DatabaseUnavailable
 from aivedio.gateway import Gateway, stream_token_routes
 from aivedio.gateway.config import GatewayConfig
+from aivedio.gateway.outage import stream_outage_routes
 from aivedio.gateway.server import serve_http
 from aivedio.ingest.processor import inbox_role
 from aivedio.ingest.role import callbacks_role
@@ -39,6 +41,7 @@ from aivedio.propagation.routing import node_dispatcher_role
 from aivedio.providers.base import ProviderAdapter
 from aivedio.providers.registry import build_providers, providers_config
 from aivedio.reconcile.role import reconciler_loops
+from aivedio.retention.role import maintenance_role
 from aivedio.runtime import Runtime, resolve_urls
 from aivedio.services.embedded import ServiceUrls
 from aivedio.submission.config import CancelConfig, SubmitterConfig
@@ -57,6 +60,9 @@ async def _api(rt: Runtime) -> RoleParts:
     secret = rt.settings.derived_secret("stream-tokens")
     routes = stream_token_routes(rt.db, secret, rt.settings.stream_token_ttl_s)
     routes += session_routes(rt.db, rt.settings.public_url, rt.settings.session_ttl_s)
+    if rt.settings.sandbox_enabled:  # the console's chaos panel
+        chaos = SandboxChaos(rt.settings.sandbox_url, rt.settings.sandbox_api_key)
+        routes += sandbox_routes(rt.db, chaos)
     return RoleParts(routes=[*routes, *playback_routes_for(rt), *web_routes()], http=True)
 
 
@@ -64,7 +70,8 @@ async def _gateway(rt: Runtime) -> RoleParts:
     gateway = Gateway(
         rt.db, GatewayConfig.from_settings(rt.settings, rt.urls.redis_url), health=rt.health
     )
-    return RoleParts(http=True, gateway=gateway)
+    routes = stream_outage_routes(rt.db, gateway.kill) if rt.settings.sandbox_enabled else []
+    return RoleParts(routes=routes, http=True, gateway=gateway)
 
 
 async def _dispatcher(rt: Runtime) -> RoleParts:
@@ -109,6 +116,7 @@ AVAILABLE: dict[str, RoleFactory] = {
     "media": media_role,
     "billing": billing_role,
     "reconciler": _reconciler,
+    "maintenance": maintenance_role,
 }
 
 

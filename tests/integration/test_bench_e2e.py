@@ -70,3 +70,6 @@ def test_e2e_bench_delivers_every_webhook_as_a_frame(
         for step in steps:
             assert step["ignored"] == {} and step["superseded"] == 0
             assert step["accepted"] == step["sent"] > 0
+            # every webhook costs the chain at least its inbox insert and its apply
+            assert step["pg_xacts_per_event"] >= 2
+    assert all(s["pg_xacts_per_event"] is None for s in figures["steps"]["naive"].get("one", []))

@@ -113,7 +113,9 @@ async def test_duplicates_and_stale_versions_are_dropped(
         "task_id": "a",
         "task_version": 1,
         "public": {"task_id": "a", "task_version": 1, "status": "generating", "event_id": 1},
-        "relayed_at": None,  # published here without the relay's relayed-at header
+        "stored_at": None,  # published here without the relay's stamps
+        "relayed_at": None,
+        "trace_id": None,
     }
 
 

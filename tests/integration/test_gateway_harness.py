@@ -173,20 +173,27 @@ EnvFactory = Callable[..., Awaitable[Env]]
 async def make_env(db: Database, redis_url: str) -> AsyncIterator[EnvFactory]:
     started: list[tuple[asyncio.Event, asyncio.Task[None], asyncio.Task[None], Redis]] = []
 
-    async def factory(publish: bool = True, **overrides: Any) -> Env:
+    async def factory(
+        publish: bool = True,
+        database: Database | None = None,
+        project: Project | None = None,
+        **overrides: Any,
+    ) -> Env:
+        """``database`` and ``project``: another database (a restored one) and its project."""
         tag = uuid.uuid4().hex[:12]
         config = gateway_config(redis_url, tag, **overrides)
-        state = StateService(db)
-        tasks = store(db, state)
-        project = await make_project(db, tenant=f"t-{tag}", project="web")
-        app = create_app(db, tasks, ApiConfig(), extra_routes=stream_token_routes(db, SECRET))
-        gateway = Gateway(db, config)
+        on = database or db
+        state = StateService(on)
+        tasks = store(on, state)
+        project = project or await make_project(on, tenant=f"t-{tag}", project="web")
+        app = create_app(on, tasks, ApiConfig(), extra_routes=stream_token_routes(on, SECRET))
+        gateway = Gateway(on, config)
         port, stopping, server = await serve_gateway(app, gateway)
         redis = Redis.from_url(redis_url)
-        publisher = Publisher(db, redis, config.channel, project.project_id)
+        publisher = Publisher(on, redis, config.channel, project.project_id)
         pub_task = asyncio.create_task(publisher.run() if publish else asyncio.sleep(0))
         started.append((stopping, server, pub_task, redis))
-        return Env(db, state, tasks, project, gateway, f"http://127.0.0.1:{port}", redis, publisher)
+        return Env(on, state, tasks, project, gateway, f"http://127.0.0.1:{port}", redis, publisher)
 
     yield factory
     for stopping, server, pub_task, redis in started:

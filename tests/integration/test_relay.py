@@ -111,11 +111,14 @@ async def test_events_flow_end_to_end_in_order(
         "task_id",
         "task_version",
         "public",
+        "stored_at",
         "relayed_at",
         "dispatched_at",
+        "trace_id",
     }
     # Where the time went (bench e2e): the relay's publish, then the dispatcher's PUBLISH.
     for message in sub.received:
+        assert message["stored_at"] <= message["relayed_at"] + 1.0  # DB and local clocks
         assert message["relayed_at"] <= message["dispatched_at"] <= time.time()
     assert first["public"]["event_id"] == first["seq"]
     assert "attempt_id" not in first["public"] and "trace_id" not in first["public"]

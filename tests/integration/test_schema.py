@@ -13,21 +13,32 @@ from aivedio.domain.observation import ProviderStatus
 from aivedio.domain.statuses import Status
 from tests.conftest import with_database
 
+# Partitions (task_events_pYYYYMMDD) depend on the day the schema was made, not on its
+# version: the catalogs compare the tables and the partitioned parents only.
+NOT_PARTITION = "NOT EXISTS (SELECT 1 FROM pg_class p WHERE p.relname = {} AND p.relispartition)"
+
 CATALOG = {
-    "columns": """
+    "columns": f"""
         SELECT table_name, column_name, data_type, is_nullable, column_default, is_identity
         FROM information_schema.columns WHERE table_schema = 'public'
-          AND table_name <> 'schema_migrations'
+          AND table_name <> 'schema_migrations' AND {NOT_PARTITION.format("table_name")}
         ORDER BY 1, 2""",
-    "constraints": """
+    "constraints": f"""
         SELECT c.conrelid::regclass::text AS tbl, c.conname, c.contype,
                pg_get_constraintdef(c.oid) AS def, c.condeferrable, c.condeferred
         FROM pg_constraint c JOIN pg_namespace n ON n.oid = c.connamespace
         WHERE n.nspname = 'public' AND c.conrelid::regclass::text <> 'schema_migrations'
+          AND {NOT_PARTITION.format("c.conrelid::regclass::text")}
         ORDER BY 1, 2""",
-    "indexes": """
+    "indexes": f"""
         SELECT tablename, indexname, indexdef FROM pg_indexes
-        WHERE schemaname = 'public' AND tablename <> 'schema_migrations' ORDER BY 1, 2""",
+        WHERE schemaname = 'public' AND tablename <> 'schema_migrations'
+          AND {NOT_PARTITION.format("tablename")}
+        ORDER BY 1, 2""",
+    "partitioned": """
+        SELECT c.relname, pg_get_partkeydef(c.oid) FROM pg_class c
+        JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname = 'public' AND c.relkind = 'p' ORDER BY 1""",
 }
 
 

@@ -1,4 +1,4 @@
-"""The pure parts of ``aivedio chaos`` and ``aivedio cluster``: schedule, invariants, backoff."""
+"""The pure parts of ``aivedio chaos``: the fault schedule and the invariants."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from aivedio.chaos.invariants import ClientLog, TaskOutcome, check_stream, wrong_final_states
 from aivedio.chaos.schedule import FaultKind, plan
-from aivedio.cluster import restart_delay
 
 
 def test_the_same_seed_gives_the_same_schedule_and_every_kind_appears() -> None:
@@ -93,10 +92,3 @@ def test_wrong_final_states_follow_the_providers_truth() -> None:
         TaskOutcome("f", "p", "failed", "processing_media", 7, flagged=True),  # but not stuck
     ]
     assert [t.task_id for t in wrong_final_states(tasks)] == ["c", "d", "f"]
-
-
-@given(st.integers(1, 100), st.floats(0, 1))
-def test_restart_delay_is_capped_and_grows(failures: int, rand: float) -> None:
-    delay = restart_delay(failures, 0.5, 30.0, lambda: rand)
-    assert 0 < delay <= 30.0
-    assert delay >= min(30.0, 0.5 * 2 ** min(failures - 1, 30)) * 0.5

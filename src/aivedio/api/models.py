@@ -31,6 +31,8 @@ __all__ = [
     "AuditEvent",
     "AuditObservation",
     "AuditResponse",
+    "ChaosKnobs",
+    "ChaosPatch",
     "CloseFrame",
     "CreateSessionBody",
     "CreateTaskBody",
@@ -50,10 +52,14 @@ __all__ = [
     "Session",
     "SessionResponse",
     "Snapshot",
+    "StreamOutage",
+    "StreamOutageBody",
     "StreamToken",
     "StreamTokenBody",
+    "TaskEvents",
     "TaskList",
     "TaskResponse",
+    "TimelineEvent",
 ]
 
 # The public statuses (``domain.statuses.PUBLIC_STATUSES``; a unit test keeps the two equal).
@@ -274,6 +280,27 @@ class AuditResponse(_Out):
     )
 
 
+PublicField = Literal["status", "stage", "progress", "asset_id", "error"]
+
+
+class TimelineEvent(_Out):
+    """One public event of a task, as the stream delivered it, with what it changed."""
+
+    event_id: Seq = Field(description="the seq")
+    cursor: Cursor
+    task_version: Version
+    created_at: Time
+    changed: list[PublicField] = Field(
+        description="the public fields that differ from the task's previous event (the first "
+        "event: every field it sets)"
+    )
+    payload: EventPayload
+
+
+class TaskEvents(_Out):
+    events: list[TimelineEvent] = Field(description="every public event of the task, seq order")
+
+
 # -- sessions and stream tokens -----------------------------------------------------------------
 
 
@@ -358,6 +385,57 @@ class NotReady(_Out):
         description="the roles of this process with at least one loop down, in start order"
     )
     loops: list[LoopDown]
+
+
+# -- the sandbox provider's chaos (only where the sandbox provider is enabled) -----------------
+
+Rate = Annotated[float, Field(ge=0, le=1, description="a probability, 0..1")]
+Span = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=2, max_length=2)]
+
+
+class ChaosKnobs(_Out):
+    """The sandbox provider's chaos knobs (docs/reference/sandbox-provider.md)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    webhooks_enabled: bool
+    duplicate_rate: float
+    reorder: float
+    delay_ms: list[int] = Field(description="`[min_ms, max_ms]`")
+    drop_rate: float
+    query_429_rate: float
+    retry_after_s: float
+    query_5xx_rate: float
+    query_slow_ms: list[int] = Field(description="`[min_ms, max_ms]`")
+
+
+class ChaosPatch(_In):
+    """The knobs to change; the others keep their values."""
+
+    webhooks_enabled: bool | None = None
+    duplicate_rate: Rate | None = None
+    reorder: Rate | None = None
+    delay_ms: Span | None = None
+    drop_rate: Rate | None = None
+    forge_signature_rate: Rate | None = None
+    contradictory_terminal: Rate | None = None
+    query_429_rate: Rate | None = None
+    retry_after_s: Annotated[float, Field(ge=0, le=60)] | None = None
+    query_5xx_rate: Rate | None = None
+    query_slow_ms: Span | None = None
+    body_error: ClassVar[tuple[str, str] | None] = ("body", "an object of known chaos knobs")
+
+
+class StreamOutageBody(_In):
+    seconds: Annotated[float, Field(ge=0, le=120)] = Field(
+        description="how long this gateway refuses the project's streams after closing them"
+    )
+    body_error: ClassVar[tuple[str, str] | None] = ("body", 'an object {"seconds": 0..120}')
+
+
+class StreamOutage(_Out):
+    closed: int = Field(ge=0, description="the project's streams this gateway closed")
+    until: Time = Field(description="new streams of the project are refused until then")
 
 
 # -- stream frames (documented; written by the gateway, not through these models) ---------------

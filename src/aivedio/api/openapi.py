@@ -47,7 +47,8 @@ TAGS = [
     {"name": "callbacks", "description": "Provider webhooks"},
     {"name": "operations", "description": "Health, readiness, metrics"},
     {"name": "documents", "description": "This document and its page"},
-    {"name": "web", "description": "The web page served by the API"},
+    {"name": "web", "description": "The web console served by the API"},
+    {"name": "sandbox", "description": "The sandbox provider's chaos (only where it is enabled)"},
 ]
 
 Mode = Literal["validation", "serialization"]

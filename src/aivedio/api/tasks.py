@@ -1,4 +1,4 @@
-"""Task routes: create (Idempotency-Key), snapshot, list, cancel, retry, audit."""
+"""Task routes: create (Idempotency-Key), snapshot, list, cancel, retry, audit, timeline."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from aivedio.api.models import (
     CreateTaskBody,
     ListQuery,
     Snapshot,
+    TaskEvents,
     TaskList,
     TaskResponse,
 )
@@ -50,6 +51,7 @@ class TaskRoutes:
             Route(base + "/{task_id}/cancel", self.cancel, methods=["POST"]),
             Route(base + "/{task_id}/retry", self.retry, methods=["POST"]),
             Route(base + "/{task_id}/audit", self.audit, methods=["GET"]),
+            Route(base + "/{task_id}/events", self.events, methods=["GET"]),
         ]
 
     async def create(self, request: Request) -> Response:
@@ -127,6 +129,13 @@ class TaskRoutes:
         task_id = _path_uuid(request, "task_id", "task")
         audit = await self.tasks.audit(principal, project_id, task_id)
         return respond(AuditResponse.model_validate(audit))
+
+    async def events(self, request: Request) -> Response:
+        principal = await authenticate(self.db, request)
+        project_id = _path_uuid(request, "project_id", "project")
+        task_id = _path_uuid(request, "task_id", "task")
+        timeline = await self.tasks.events(principal, project_id, task_id)
+        return respond(TaskEvents.model_validate(timeline))
 
 
 def _path_uuid(request: Request, name: str, what: str) -> uuid.UUID:

@@ -16,6 +16,7 @@ from aivedio.bench.fanout import run as run_fanout
 from aivedio.bench.ingest import run as run_ingest
 from aivedio.bench.polling import run as run_polling
 from aivedio.bench.propagation import run as run_propagation
+from aivedio.bench.retention import run as run_retention
 from aivedio.bench.transitions import run as run_transitions
 from aivedio.config import Settings
 
@@ -29,6 +30,7 @@ BENCHMARKS: dict[str, Benchmark] = {
     "fanout": run_fanout,
     "polling": run_polling,
     "e2e": run_e2e,
+    "retention": run_retention,
 }
 
 

@@ -68,6 +68,11 @@ def _table(system: str, scenario: str, fig: ScenarioFigures, limit_ms: float) ->
             )
     for s in fig.steps:
         notes = []
+        if s.pg_xacts is not None:
+            notes.append(
+                f"{s.pg_xacts} PostgreSQL transactions in the step and its drain "
+                f"({s.pg_xacts / max(s.sent, 1):.2f} per webhook)"
+            )
         if s.retried:
             notes.append(
                 f"{s.retried} webhooks sent again (a non-2xx answer or a closed connection)"
@@ -131,7 +136,12 @@ def _headline(fig: ScenarioFigures | None, rate: float, limit_ms: float) -> dict
         "cpu_us_per_event_by_process": {k: rounded(v, 1) for k, v in cpu.items()},
         "stages_ms": {k: rounded(v["p50"]) for k, v in step.stages.items()},
         "stages_p99_ms": {k: rounded(v["p99"]) for k, v in step.stages.items()},
+        "pg_xacts_per_event": _per_event(step.pg_xacts, step.sent),
     }
+
+
+def _per_event(count: int | None, sent: int) -> float | None:
+    return rounded(count / sent, 3) if count is not None and sent else None
 
 
 def _ratios(figures: dict[str, Any]) -> dict[str, float]:
@@ -165,6 +175,7 @@ def _steps(fig: ScenarioFigures) -> list[dict[str, Any]]:
             "refused": {str(k): v for k, v in s.refused.items()},
             "lost_where": s.lost_where,
             "polls": s.polls,
+            "pg_xacts_per_event": _per_event(s.pg_xacts, s.sent),
         }
         for s in fig.steps
     ]

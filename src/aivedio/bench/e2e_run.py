@@ -85,6 +85,7 @@ class StepFigures:
     untimed: int = 0  # frames without the gateway's timing line (replayed from PostgreSQL)
     cpu_s: dict[str, float] = field(default_factory=dict)
     polls: int = 0  # sandbox queries during the step (the poller)
+    pg_xacts: int | None = None  # transactions of the run's database, the step and its drain
     window_s: float = 0.0  # from the step's start to its CPU snapshot (its last frame)
     ignored: dict[str, int] = field(default_factory=dict)  # webhooks audited, not applied
     refused: dict[int, int] = field(default_factory=dict)  # final answers that were not 204
@@ -178,6 +179,20 @@ async def _drain(target: Target, clients: ClientsProcess, settle_s: float, quiet
     return False
 
 
+async def _xacts(target: Target) -> int | None:
+    """Committed and rolled-back transactions of the run's database so far
+    (``pg_stat_database``; each backend reports its own at most once a second while busy, so a
+    reading taken after the drain's quiet second counts the step's)."""
+    if target.db is None:
+        return None
+    await target.db.execute("SELECT pg_stat_clear_snapshot()")
+    count = await target.db.fetchval(
+        "SELECT xact_commit + xact_rollback FROM pg_stat_database"
+        " WHERE datname = current_database()"
+    )
+    return int(count)
+
+
 async def _polls(target: Target) -> int:
     if target.sandbox is None:
         return 0
@@ -195,6 +210,7 @@ async def _step(
     await clients.expect(keys)
     await load.arm(step, knobs.points, knobs.settle_s)
     polls = await _polls(target)
+    xacts = await _xacts(target)
     before = await target.meter.snapshot()
     start = time.time() + 0.2
     sent = await load.go(start, knobs.duration_s + knobs.settle_s + 120)
@@ -215,6 +231,9 @@ async def _step(
     drain_started = time.monotonic()
     figures.drained = await _drain(target, clients, knobs.settle_s, knobs.quiet_s)
     figures.drained_s = time.monotonic() - drain_started
+    after_xacts = await _xacts(target)
+    if xacts is not None and after_xacts is not None:
+        figures.pg_xacts = after_xacts - xacts
     frames = _merge(frames, await clients.collect())  # late ones still count as arrived
     await _figures(target, step, keys, sent, frames, figures, knobs.points)
     return figures

@@ -282,8 +282,9 @@ def pgbench_script(attempts: int, batch: int = 1, clients: int = 1) -> str:
 
     ``lock_task_for_attempt``'s ``$1`` is a random attempt (by row number from the helper table
     ``bench_attempts``); ``locked_attempts`` then reads it, as our code does after the lock, and
-    its row is kept with ``\\gset`` and feeds ``write_event``. Constant parameters come as ``-D`` variables (``pgbench_variables``); the ones our
-    observation sends as NULL are NULL literals.
+    its row is kept with ``\\gset`` and feeds ``write_event``. Constant parameters come as
+    ``-D`` variables (``pgbench_variables``); the ones our observation sends as NULL are NULL
+    literals.
 
     For a batch (``_batch_script``) the transaction is ours: BEGIN; ``lock_tasks_for_attempts``;
     ``write_events``; COMMIT.

@@ -41,6 +41,7 @@ from aivedio.bus.jetstream_pipeline import (
     fast_headers,
     num_delivered,
 )
+from aivedio.bus.metrics import DEAD_LETTERS, REDELIVERIES, reason_class
 from aivedio.bus.port import (
     Bus,
     BusClosed,
@@ -348,6 +349,7 @@ class JetStreamBus:
         await (await self._send(subject, msg.data, headers))
         with self._edge("terminate dead-lettered message"):
             await msg.term()
+        DEAD_LETTERS.labels(topic, group, reason_class(reason)).inc()
 
     async def dead_letters(self, group: str, limit: int = 100) -> list[DeadLetter]:
         self._check_open()
@@ -534,6 +536,8 @@ class JetStreamConsumer:
             if n > max_deliver:
                 await self._dead_letter_due(msg.msg())
                 continue
+            if n > 1:
+                REDELIVERIES.labels(self._topic, self._group).inc()
             out.append(JetStreamDelivery(self, msg, self._topic, n))
         return out
 

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
+from aivedio.bus.metrics import DEAD_LETTERS, REDELIVERIES, reason_class
 from aivedio.bus.port import (
     BusClosed,
     BusConfig,
@@ -160,6 +161,7 @@ class MemoryBus:
             reason=reason,
             dead_at=time.time(),
         )
+        DEAD_LETTERS.labels(msg.topic, group, reason_class(reason)).inc()
 
     async def dead_letters(self, group: str, limit: int = 100) -> list[DeadLetter]:
         self._check_open()
@@ -283,6 +285,7 @@ class MemoryConsumer:
                 del state.pending[seq]
                 self._bus._dead_letter(self._group, msg, cfg.max_deliver, "max_deliver")
                 continue
+            REDELIVERIES.labels(self._topic, self._group).inc()
             out.append(MemoryDelivery(self, msg, pending.deliveries))
         while (
             len(out) < batch

@@ -43,8 +43,9 @@ def declared_schema() -> str:
     return (resources.files("aivedio.db") / "schema.sql").read_text("utf-8")
 
 
-async def migrate(conn: asyncpg.Connection) -> list[int]:
-    """Apply every pending migration; return the versions applied. Idempotent."""
+async def migrate(conn: asyncpg.Connection, upto: int | None = None) -> list[int]:
+    """Apply every pending migration (up to version ``upto``, when given: tests that convert an
+    older database); return the versions applied. Idempotent."""
     await conn.execute("SELECT pg_advisory_lock($1)", _LOCK_KEY)
     try:
         await conn.execute(
@@ -59,6 +60,8 @@ async def migrate(conn: asyncpg.Connection) -> list[int]:
         applied = []
         newest = max(done, default=0)
         for m in migrations():
+            if upto is not None and m.version > upto:
+                break
             if m.version in done:
                 if done[m.version] != m.checksum:
                     raise RuntimeError(

@@ -128,7 +128,8 @@ CREATE TABLE provider_callback_inbox (
         'pending', 'retry', 'processed', 'orphan', 'dead'))
 );
 
-CREATE INDEX idx_callback_inbox_pending ON provider_callback_inbox (next_retry_at, id)
+-- Due rows in id order for inbox_claim (migration 0015).
+CREATE INDEX idx_callback_inbox_due ON provider_callback_inbox (id)
     WHERE process_status IN ('pending', 'retry', 'orphan');
 
 CREATE INDEX idx_callback_inbox_retention ON provider_callback_inbox (processed_at)
@@ -152,12 +153,14 @@ $$;
 CREATE TRIGGER trg_inbox_notify AFTER INSERT ON provider_callback_inbox
     FOR EACH STATEMENT EXECUTE FUNCTION aivedio_inbox_notify();
 
+-- Partitioned by day (migration 0012, which says why the keys are what they are); the
+-- partitions are made by aivedio_ensure_event_partitions and dropped by retention.
 CREATE TABLE task_events (
-    project_id      UUID        NOT NULL REFERENCES projects (id),
+    project_id      UUID        NOT NULL,
     epoch           BIGINT      NOT NULL,
     seq             BIGINT      NOT NULL,
     tenant_id       UUID        NOT NULL,
-    task_id         UUID        NOT NULL REFERENCES generation_tasks (id),
+    task_id         UUID        NOT NULL,
     attempt_id      UUID,
     task_version    BIGINT      NOT NULL,
     event_type      TEXT        NOT NULL,
@@ -166,9 +169,45 @@ CREATE TABLE task_events (
     trace_id        TEXT,
     occurred_at     TIMESTAMPTZ,
     created_at      TIMESTAMPTZ NOT NULL DEFAULT now(),
-    CONSTRAINT pk_task_events PRIMARY KEY (project_id, epoch, seq),
-    CONSTRAINT uq_task_version UNIQUE (task_id, task_version)
-);
+    CONSTRAINT pk_task_events PRIMARY KEY (project_id, epoch, seq, created_at)
+) PARTITION BY RANGE (created_at);
+
+CREATE INDEX idx_task_events_task ON task_events (task_id, task_version);
+
+-- Creates the daily partitions [day, day + 1) (UTC) from today through today + ahead_days that
+-- do not exist yet; returns how many it created. A day that overlaps an existing partition (the
+-- legacy one) is skipped. CREATE TABLE + ATTACH PARTITION takes SHARE UPDATE EXCLUSIVE on
+-- task_events, which blocks no writer and no reader (CREATE TABLE ... PARTITION OF would take
+-- ACCESS EXCLUSIVE).
+CREATE FUNCTION aivedio_ensure_event_partitions(ahead_days integer) RETURNS integer
+LANGUAGE plpgsql AS $$
+DECLARE
+    today date := (now() AT TIME ZONE 'UTC')::date;
+    day date;
+    part text;
+    made integer := 0;
+BEGIN
+    FOR offset_days IN 0 .. ahead_days LOOP
+        day := today + offset_days;
+        part := 'task_events_p' || to_char(day, 'YYYYMMDD');
+        CONTINUE WHEN to_regclass(part) IS NOT NULL;
+        CONTINUE WHEN EXISTS (
+            SELECT 1 FROM pg_inherits i JOIN pg_class c ON c.oid = i.inhrelid
+            WHERE i.inhparent = 'task_events'::regclass AND c.relname = 'task_events_legacy'
+              AND (day::timestamp AT TIME ZONE 'UTC') < (
+                  SELECT (regexp_match(pg_get_expr(c.relpartbound, c.oid), 'TO \(''([^'']+)''\)'))[1]
+                  )::timestamptz);
+        EXECUTE format('CREATE TABLE %I (LIKE task_events INCLUDING DEFAULTS)', part);
+        EXECUTE format(
+            'ALTER TABLE task_events ATTACH PARTITION %I FOR VALUES FROM (%L) TO (%L)',
+            part, day::timestamp AT TIME ZONE 'UTC', (day + 1)::timestamp AT TIME ZONE 'UTC');
+        made := made + 1;
+    END LOOP;
+    RETURN made;
+END
+$$;
+
+SELECT aivedio_ensure_event_partitions(7);
 
 CREATE TABLE outbox_events (
     id                  BIGINT      GENERATED ALWAYS AS IDENTITY PRIMARY KEY,

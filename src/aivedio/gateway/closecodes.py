@@ -8,7 +8,8 @@ close frame, as an application code (RFC 6455 reserves 4000-4999 for application
 so 4000-4499 reconnect and 4500-4999 are terminal, the same ranges shifted. Violations of the
 WebSocket protocol itself use the RFC's own codes (``ws_code``): 1002 ``protocol_error``, 1003
 ``unsupported_data``, 1007 ``invalid_data``, 1009 ``message_too_big``. ``client_gone`` is never
-sent: it names, in the close log line, a client that went away by itself (or closed its WebSocket).
+sent: it names, in the close log line, a client that went away by itself (or closed its WebSocket);
+``killed`` is not sent either: the sandbox's stream outage aborts the socket.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class CloseReason(Enum):
     SERVER_ERROR = (3004, "server_error")
     CLIENT_GONE = (3005, "client_gone")
     PING_TIMEOUT = (3006, "ping_timeout")  # WebSocket: no pong (nor anything) within a period
+    KILLED = (3007, "killed")  # the sandbox's stream outage: cut without a goodbye frame
     UNAUTHORIZED = (3500, "unauthorized")
     FORBIDDEN = (3501, "forbidden")
     BAD_REQUEST = (3502, "bad_request")
@@ -46,6 +48,12 @@ class CloseReason(Enum):
     @property
     def reconnect(self) -> bool:
         return self.code < 3500
+
+    @property
+    def abrupt(self) -> bool:
+        """Closed without a goodbye frame: the socket is aborted (never sent, like
+        ``client_gone``, so a client sees only a broken connection)."""
+        return self in (CloseReason.CLIENT_GONE, CloseReason.KILLED)
 
     @property
     def ws_code(self) -> int:

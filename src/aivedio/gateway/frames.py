@@ -51,15 +51,28 @@ class Event:
     data: dict[str, Any] | None = None
     kind: str = "task.status"
     ws: bytes | None = None
+    # Never sent: when the event's outbox row was stored (Unix time, DB clock; the age metric)
+    # and the trace id that entered with its callback or API request (the frame's log line).
+    stored_at: float | None = None
+    trace_id: str | None = None
 
 
 def dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), sort_keys=True, ensure_ascii=False)
 
 
-def make_event(epoch: int, seq: int, public: dict[str, Any], comment: str = "") -> Event:
+def make_event(
+    epoch: int,
+    seq: int,
+    public: dict[str, Any],
+    comment: str = "",
+    *,
+    stored_at: float | None = None,
+    trace_id: str | None = None,
+) -> Event:
     """``comment`` (one line, off by default) goes into the SSE frame as a ``: ...`` line, which
-    EventSource ignores: the diagnostic timing line of ``GatewayConfig.timing``."""
+    EventSource ignores: the diagnostic timing line of ``GatewayConfig.timing``. ``stored_at``
+    and ``trace_id`` ride the event for the gateway's metrics and logs, never into a frame."""
     payload = {k: public.get(k) for k in PUBLIC_FIELDS}
     payload["event_id"] = seq
     task_id = str(payload["task_id"])
@@ -68,7 +81,9 @@ def make_event(epoch: int, seq: int, public: dict[str, Any], comment: str = "") 
     frame = f"id: {epoch}-{seq}\nevent: task.status\ndata: {dumps(payload)}\n{extra}\n".encode()
     final = status in FINAL_PUBLIC_STATUSES
     coalesce = None if final else (task_id, status, str(payload["stage"]))
-    return Event(seq, task_id, frame, coalesce, epoch, payload)
+    return Event(
+        seq, task_id, frame, coalesce, epoch, payload, stored_at=stored_at, trace_id=trace_id
+    )
 
 
 def timing_comment(relayed_at: object, dispatched_at: object, written_at: float) -> str:

@@ -37,6 +37,7 @@ from aivedio.gateway.commands import Command, CommandError, parse_command
 from aivedio.gateway.config import GatewayConfig
 from aivedio.gateway.hub import Hub
 from aivedio.gateway.limits import ConnectionCounters, ConnectRate
+from aivedio.gateway.outage import Outages
 from aivedio.gateway.protocol import BadRequest, Cursor, StreamRequest, origin_allowed, parse_head
 from aivedio.gateway.resume import resume
 from aivedio.gateway.routing import (
@@ -131,6 +132,7 @@ class Gateway:
         self.by_key: dict[uuid.UUID, set[Session]] = {}
         self.uncounted: set[Session] = set()
         self.draining = False
+        self.outages = Outages()
         self._opening: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
         self._jobs: list[asyncio.Task[None]] = []
@@ -210,6 +212,15 @@ class Gateway:
             if i + batch < len(sessions):
                 await asyncio.sleep(0.1)
 
+    def kill(self, project_id: uuid.UUID, seconds: float) -> int:
+        """The sandbox's stream outage: cut the project's streams on this node with no goodbye
+        frame and refuse its new ones for ``seconds``; how many streams were cut."""
+        self.outages.start(project_id, seconds)
+        cut = [s for s in self.hub.sessions() if s.project_id == project_id]
+        for session in cut:
+            session.close(CloseReason.KILLED)
+        return len(cut)
+
     async def close(self) -> None:
         self._stopping.set()
         for task in list(self._opening):
@@ -275,6 +286,11 @@ class Gateway:
                     {"WWW-Authenticate": 'Bearer realm="aivedio"'} if exc.status == 401 else {}
                 )
                 self._refuse(transport, exc.status, exc.code, exc.message, headers)
+                return
+            outage = self.outages.active(req.project_id)
+            if outage > 0:
+                retry = {"Retry-After": str(max(1, round(outage)))}
+                self._refuse(transport, 503, "stream_outage", "a stream outage (chaos)", retry)
                 return
             counted = await self.counters.acquire(identity)
             if isinstance(counted, str):

@@ -122,7 +122,18 @@ class Hub:
         if self.config.timing:  # diagnostic, off by default: see GatewayConfig.timing
             relayed, dispatched = message.get("relayed_at"), message.get("dispatched_at")
             comment = timing_comment(relayed, dispatched, time.time())
-        stream.on_live(epoch, make_event(epoch, seq, public, comment))
+        stored_at, trace_id = message.get("stored_at"), message.get("trace_id")
+        stream.on_live(
+            epoch,
+            make_event(
+                epoch,
+                seq,
+                public,
+                comment,
+                stored_at=stored_at if isinstance(stored_at, float | int) else None,
+                trace_id=trace_id if isinstance(trace_id, str) else None,
+            ),
+        )
 
     async def run(self, stopping: asyncio.Event) -> None:
         """Keep one subscription to the channel; after every (re)subscribe, a tail check."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 CONNECTIONS = Gauge("aivedio_gateway_connections", "Open event-stream connections", ["transport"])
 OPENED = Counter("aivedio_gateway_connections_opened_total", "Streams opened", ["transport"])
@@ -19,6 +19,14 @@ RESETS = Counter("aivedio_gateway_resets_total", "event: reset frames sent", ["r
 GAP_REPAIRS = Counter("aivedio_gateway_gap_repairs_total", "Live seq gaps filled from PostgreSQL")
 TAIL_REPAIRS = Counter(
     "aivedio_gateway_tailcheck_repairs_total", "Streams found behind their head by the tail check"
+)
+# Once per event and node, when its frame is handed to the node's connections: from its outbox
+# row's insert (DB clock, the transaction that committed it) to now; ``source`` live or repair.
+EVENT_AGE = Histogram(
+    "aivedio_gateway_event_age_seconds",
+    "End-to-end event age at the socket: outbox insert -> frame written to the connections",
+    ["source"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
 )
 REDIS_RECONNECTS = Counter(
     "aivedio_gateway_redis_subscriptions_total", "Redis Pub/Sub (re)subscriptions"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 
 from aivedio.gateway import frames, metrics
@@ -106,6 +107,20 @@ class ProjectStream:
         metrics.FRAMES.inc(len(self.sessions))  # one per session (filtered ones included)
         for session in tuple(self.sessions):
             session.deliver(event)
+        if event.stored_at is not None and self.sessions:  # once per event and node
+            metrics.EVENT_AGE.labels(source).observe(max(0.0, time.time() - event.stored_at))
+        if logger.isEnabledFor(logging.DEBUG):
+            log(
+                logger,
+                logging.DEBUG,
+                "frame written",
+                trace_id=event.trace_id,
+                project_id=str(self.project_id),
+                task_id=event.task_id,
+                seq=event.seq,
+                source=source,
+                sessions=len(self.sessions),
+            )
 
     def _drain(self) -> None:
         pending = self._pending
@@ -243,7 +258,12 @@ async def resume(
         page = await store.events(
             session.project_id, position.epoch, session.sent, joined_at, config.replay_page
         )
-        if not page:
+        if not page or any(e.seq != session.sent + 1 + i for i, e in enumerate(page)):
+            # Rows of (sent, joined_at] are gone: retention raised the floor and dropped them
+            # after the position was read. Never a silent partial replay: the session resets.
+            metrics.RESETS.labels("below_floor").inc()
+            session.sent = joined_at
+            session.write_control(frames.reset_event(position.epoch, joined_at, "below_floor"))
             break
         session.replay(page)
     session.go_live()

@@ -8,6 +8,7 @@ every event of the project, in seq order, and a stalled session cannot delay the
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Iterable
@@ -20,6 +21,9 @@ from aivedio.gateway.config import GatewayConfig
 from aivedio.gateway.frames import Event
 from aivedio.gateway.queue import PendingQueue
 from aivedio.gateway.transport import Transport
+from aivedio.logs import log
+
+logger = logging.getLogger("aivedio.gateway")
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,15 +132,29 @@ class Session:
     def replay(self, events: Iterable[Event]) -> None:
         """Write a page of replayed events (bounded by the replay cap; written as one batch)."""
         out: list[bytes] = []
+        written: list[Event] | None = [] if logger.isEnabledFor(logging.DEBUG) else None
         for event in events:
             if event.seq <= self.sent:
                 continue
             self.sent = event.seq
             if self.task_filter is None or event.task_id == self.task_filter:
                 out.append(self.transport.frame_of(event))
+                if written is not None:
+                    written.append(event)
         if out and self.closed is None:
             self.transport.write_many(out)
             metrics.FRAMES.inc(len(out))
+            if written is not None:  # the trace ids of the replayed frames
+                log(
+                    logger,
+                    logging.DEBUG,
+                    "frames replayed",
+                    project_id=str(self.project_id),
+                    frames=[
+                        {"task_id": e.task_id, "seq": e.seq, "trace_id": e.trace_id}
+                        for e in written
+                    ],
+                )
 
     def go_live(self) -> None:
         """Replay done: deliver what arrived meanwhile (merge by seq), then live."""

@@ -16,7 +16,7 @@ SELECT project_id, epoch, head, floor FROM event_streams WHERE project_id = ANY(
 """
 
 EVENTS = """
-SELECT seq, public_payload FROM task_events
+SELECT seq, public_payload, trace_id, created_at FROM task_events
 WHERE project_id = $1 AND epoch = $2 AND seq > $3 AND seq <= $4
 ORDER BY seq
 LIMIT $5
@@ -53,7 +53,16 @@ class EventStore:
         """Events ``after < seq <= upto`` in seq order, at most ``limit``."""
         async with self.db.connection() as conn:
             rows = await conn.fetch(EVENTS, project_id, epoch, after, upto, limit)
-        return [make_event(epoch, r["seq"], _payload(r["public_payload"])) for r in rows]
+        return [
+            make_event(
+                epoch,
+                r["seq"],
+                _payload(r["public_payload"]),
+                stored_at=r["created_at"].timestamp(),
+                trace_id=r["trace_id"],
+            )
+            for r in rows
+        ]
 
     async def project_tenant(self, project_id: uuid.UUID) -> uuid.UUID | None:
         async with self.db.connection() as conn:

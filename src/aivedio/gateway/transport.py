@@ -175,7 +175,7 @@ class SseTransport(SessionProtocol):
         self.flush_held()
         self._closed = True
         self.session = None
-        if reason is CloseReason.CLIENT_GONE:
+        if reason.abrupt:
             self.transport.abort()
             return
         self.transport.write(frames.close_frame(reason.code, reason.label, reason.reconnect))

@@ -214,7 +214,7 @@ class WsTransport(SessionProtocol):
         self.flush_held()
         self._closed = True
         self.session = None
-        if reason is CloseReason.CLIENT_GONE or not self._open:
+        if reason.abrupt or not self._open:
             self.transport.abort()
             return
         self.transport.write(wsframes.close(reason.ws_code, reason.label))

@@ -76,6 +76,11 @@ INSERT_SECONDS = Histogram(
     "Duration of one group-commit INSERT (acquire, insert, commit)",
     buckets=(0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0),
 )
+STORE_SECONDS = Histogram(
+    "aivedio_callback_store_seconds",
+    "Per callback: its inbox row built (receipt, verified) -> committed by its group commit",
+    buckets=(0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.0),
+)
 QUEUE_DEPTH = Gauge(
     "aivedio_callback_inbox_queue_depth", "Callbacks waiting for the next group commit"
 )
@@ -453,6 +458,9 @@ class InboxWriter:
             INSERT_SECONDS.observe(time.perf_counter() - started)
         if inserted and self._on_stored is not None:
             self._on_stored()
+        committed = time.time()
+        for waiter in batch:
+            STORE_SECONDS.observe(max(0.0, committed - waiter.row.received_at.timestamp()))
         for key, waiter in first.items():
             _settle(waiter, Outcome.NEW if key in inserted else Outcome.DUPLICATE)
         for waiter in repeats:

@@ -12,16 +12,17 @@ One transaction per claim
     the attempt's project: one statement for the whole claim, ``attempts_for_callbacks``),
     re-fetched for unsigned providers (no HTTP call ever runs inside a transaction). A row that
     cannot be applied now is deferred alone. The ready rows are then applied in ONE transaction,
-    whatever their projects: lock them again *fenced by the token* (a row whose lease another
-    processor took over is left out, and nothing of it is written), ``StateService.apply_many_in``
+    whatever their projects: lock them again *fenced by the token* and mark them processed in
+    the same statement (a row whose lease another processor took over is left out, and nothing
+    of it is written; the mark commits with the row's effects or not at all),
+    ``StateService.apply_many_in``
     in inbox id order (every observation decided as ``apply`` would decide it, against the task
     as the rows before it left it; tasks locked in task id order, then the stream rows in project
     id order, the order every writer takes them in, so two processors cannot deadlock; one lock
-    of each stream row and one commit for the whole claim; the state service marks each row
-    processed in the same transaction), record the provider task ids that callbacks taught,
-    commit. If it fails for any reason but the database being away, it rolls back and its rows
-    are applied one by one, each in its own transaction, so a bad row goes to retry or dead
-    letter alone and the others commit.
+    of each stream row and one commit for the whole claim), record the provider task ids that
+    callbacks taught, commit. If it fails for any reason but the database being away, it rolls
+    back and its rows are applied one by one, each in its own transaction, so a bad row goes to
+    retry or dead letter alone and the others commit.
 Mapping
     To the attempt by the callback token's attempt id (unsigned providers: the only
     authenticated id), else by ``(provider, provider_task_id)``, else by ``(provider,
@@ -532,7 +533,7 @@ class InboxProcessor:
                 ours = {
                     r["id"]
                     for r in await conn.fetch(
-                        q("inbox_lock_claimed_many"), [ready.row["id"] for ready in group], token
+                        q("inbox_take_claimed_many"), [ready.row["id"] for ready in group], token
                     )
                 }
                 live = [ready for ready in group if ready.row["id"] in ours]
@@ -544,7 +545,6 @@ class InboxProcessor:
                         list(taught),
                         [ready.state.provider_task_id for ready in taught.values()],
                     )
-                await conn.execute(q("inbox_finish_many"), sorted(ours))
         except DatabaseUnavailable:
             log(logger, logging.WARNING, "inbox rows left for later", rows=len(group))
             return
@@ -572,7 +572,7 @@ class InboxProcessor:
         trace = trace_id_var.set(row["trace_id"])
         try:
             async with self.db.transaction() as conn:
-                if await conn.fetchval(q("inbox_lock_claimed"), row["id"], token) is None:
+                if await conn.fetchval(q("inbox_take_claimed"), row["id"], token) is None:
                     log(logger, logging.INFO, "inbox row taken over", inbox_id=row["id"])
                     return
                 result = await self.state.apply_in(conn, ready.obs)
@@ -582,7 +582,6 @@ class InboxProcessor:
                         [ready.attempt.id],
                         [ready.state.provider_task_id],
                     )
-                await conn.execute(q("inbox_finish"), row["id"])
             self._committed([result])
             self._processed(ready, result)
         except DatabaseUnavailable:

@@ -80,6 +80,13 @@ STRETCH = Gauge(
     "Interval stretch forced by the rate limits (max over scopes)",
     ["provider"],
 )
+LIMITER_WAITS = Histogram(
+    "aivedio_poll_limiter_wait_seconds",
+    "Waits the rate limiter imposed: one per scope and round that got fewer tokens than it "
+    "asked for, the wait until the next token (the rows not granted are given back for it)",
+    ["provider"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
+)
 ALERTS = Counter("aivedio_poll_alerts_total", "Poller alerts", ["provider", "alert"])
 LEASES_LOST = Counter("aivedio_poll_leases_lost_total", "Results dropped: the lease had lapsed")
 RELEASED = Counter(
@@ -283,6 +290,8 @@ class Poller:
                 continue
             grant = await self.limiter.take(scope, len(members))
             granted_total += grant.granted
+            if grant.granted < len(members):
+                LIMITER_WAITS.labels(scope.provider).observe(max(grant.wait_s, 0.05))
             for row in members[grant.granted :]:
                 give_back.append((row, max(grant.wait_s, 0.05), "tokens"))
             for row in members[: grant.granted]:

@@ -13,11 +13,15 @@ What reaches Redis (one JSON object per event; :func:`routed_message`)::
     {"type": "task.status", "project_id": ..., "epoch": 7, "seq": 42, "task_id": ...,
      "task_version": 5, "public": {"event_id": 42, "task_id": ..., "task_version": 5,
                                     "status": ..., "stage": ..., "progress": ..., ...},
-     "relayed_at": 1767225600.123456, "dispatched_at": 1767225600.124789}
+     "stored_at": 1767225600.120001, "relayed_at": 1767225600.123456,
+     "dispatched_at": 1767225600.124789, "trace_id": "trc_..."}
 
-``relayed_at`` (the relay's publish, which it appends to the bus event; ``null`` without it)
-and ``dispatched_at`` (this batch's PUBLISH) are Unix times for measuring where the time goes
-(``aivedio bench e2e``); the gateway never forwards them to a browser by default.
+``stored_at`` (the outbox insert, DB clock) and ``relayed_at`` (the relay's publish), which the
+relay appends to the bus event (``null`` without them), and ``dispatched_at`` (this batch's
+PUBLISH) are Unix times for measuring where the time goes (``aivedio_dispatch_lag_seconds``,
+the gateway's ``aivedio_gateway_event_age_seconds``, ``aivedio bench e2e``); ``trace_id`` is the
+trace id that entered with the callback or API request, for the gateway's log line. The gateway
+never forwards any of them to a browser.
 
 Duplicates can still reach Redis (two replicas, or an LRU eviction, or a restart); the gateway and
 the browser drop them by seq / version, so they are harmless. Redis Pub/Sub itself is at most
@@ -66,6 +70,11 @@ EVENTS = Counter(
 REDIS_ERRORS = Counter(
     "aivedio_dispatch_redis_errors_total", "Redis pipelines that failed (batch nak-ed)"
 )
+LAG_SECONDS = Histogram(
+    "aivedio_dispatch_lag_seconds",
+    "Per published event: the relay's publish to the bus -> this dispatcher's Redis PUBLISH",
+    buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0, 30.0),
+)
 BATCH_SECONDS = Histogram(
     "aivedio_dispatch_batch_seconds",
     "From a fetched batch to its acks: parse, Redis pipeline, ack",
@@ -101,6 +110,8 @@ class RoutedEvent:
     task_version: int
     public: dict[str, Any]
     relayed_at: float | None = None  # when the relay published it (appended to the bus event)
+    stored_at: float | None = None  # the outbox insert (appended by the relay)
+    trace_id: str | None = None
 
 
 class Malformed(ValueError):
@@ -135,6 +146,8 @@ def parse_event(data: bytes) -> RoutedEvent | None:
             task_version=_int(body["aggregate_version"]),
             public=public,
             relayed_at=_time(body.get("relayed_at")),
+            stored_at=_time(body.get("stored_at")),
+            trace_id=_text(body.get("trace_id")),
         )
     except KeyError as exc:
         raise Malformed(f"missing field {exc}") from None
@@ -144,6 +157,10 @@ def _time(value: object) -> float | None:
     if isinstance(value, int | float) and not isinstance(value, bool):
         return float(value)
     return None
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
 
 
 def _int(value: object) -> int:
@@ -163,8 +180,10 @@ def routed_message(event: RoutedEvent, dispatched_at: float | None = None) -> by
             "task_id": event.task_id,
             "task_version": event.task_version,
             "public": event.public,
+            "stored_at": event.stored_at,
             "relayed_at": event.relayed_at,
             "dispatched_at": dispatched_at,
+            "trace_id": event.trace_id,
         }
     )
 
@@ -316,13 +335,31 @@ class NotificationDispatcher:
             except REDIS_ERRORS_CAUGHT as exc:
                 REDIS_ERRORS.inc()
                 EVENTS.labels("retried").inc(len(publish))
-                log(logger, logging.WARNING, "redis publish failed", error=repr(exc))
+                log(
+                    logger,
+                    logging.WARNING,
+                    "redis publish failed",
+                    error=repr(exc),
+                    trace_ids=sorted({e.trace_id for _, e in publish if e.trace_id}),
+                )
                 await self._settle([d for d, _ in publish], nak_delay=cfg.redis_nak_delay_s)
                 await self._settle(drop)
                 return False
             for _, event in publish:
                 self.versions.record(event.task_id, event.task_version)
+                if event.relayed_at is not None:
+                    LAG_SECONDS.observe(max(0.0, dispatched - event.relayed_at))
             EVENTS.labels("published").inc(len(publish))
+            if logger.isEnabledFor(logging.DEBUG):
+                log(
+                    logger,
+                    logging.DEBUG,
+                    "events published to redis",
+                    events=[
+                        {"task_id": e.task_id, "seq": e.seq, "trace_id": e.trace_id}
+                        for _, e in publish
+                    ],
+                )
         await self._settle([d for d, _ in publish] + drop)
         BATCH_SECONDS.observe(time.perf_counter() - started)
         return True

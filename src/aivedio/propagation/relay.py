@@ -100,12 +100,14 @@ def dedup_id(event_type: str, aggregate_id: object, aggregate_version: int) -> s
 
 def stamped(payload: str, suffix: str) -> bytes:
     """The bus message of an outbox payload (a JSON object as text): the same object with
-    ``relayed_at``, the Unix time of this round's publish, appended (``suffix`` is
-    ``,"relayed_at":<time>}``). The dispatcher carries it on to the gateways, so that
-    ``aivedio bench e2e`` can tell where the time goes; nothing public, and the row keeps its
-    payload. Text that is not an object (never written by the state service) goes as it is.
-    Two string operations, not a decode and an encode; a bus header would cost every
-    dispatcher a header parse per delivery (~3 us)."""
+    ``stored_at`` (the row's insert, DB clock) and ``relayed_at`` (the Unix time of this round's
+    publish) appended (``suffix`` is ``,"stored_at":<time>,"relayed_at":<time>}``). The
+    dispatcher carries them on to the gateways, so that the dispatcher's lag and the event's
+    age at the socket are measured (``aivedio_dispatch_lag_seconds``,
+    ``aivedio_gateway_event_age_seconds``) and ``aivedio bench e2e`` can tell where the time
+    goes; nothing public, and the row keeps its payload. Text that is not an object (never
+    written by the state service) goes as it is. Two string operations, not a decode and an
+    encode; a bus header would cost every dispatcher a header parse per delivery (~3 us)."""
     if payload.endswith("}") and payload.startswith("{") and payload != "{}":
         return (payload[:-1] + suffix).encode()
     return payload.encode()
@@ -206,9 +208,10 @@ class OutboxRelay:
         if not rows:
             return PumpResult(), []
         messages = []
-        suffix = f',"relayed_at":{time.time():.6f}}}'  # one stamp per round
+        relayed = f',"relayed_at":{time.time():.6f}}}'  # one stamp per round
         for r in rows:
             event_type, task = r["event_type"], str(r["aggregate_id"])
+            suffix = f',"stored_at":{r["created_at"].timestamp():.6f}{relayed}'
             messages.append(
                 OutgoingMessage(
                     topic=cfg.topic(event_type),
@@ -260,6 +263,7 @@ class OutboxRelay:
                 outbox_id=row["id"],
                 task_id=str(row["aggregate_id"]),
                 task_version=row["aggregate_version"],
+                trace_id=row["trace_id"],
                 tries=tries + 1,
                 dead=dead,
                 error=str(res),

@@ -341,6 +341,41 @@ class TaskStore:
             "unpublished_versions": [_audited(a) for a in audit if a["outcome"] == "applied"],
         }
 
+    async def events(
+        self, principal: Principal, project_id: uuid.UUID, task_id: uuid.UUID
+    ) -> dict[str, Any]:
+        """The task's public events in seq order, each with the public fields it changed."""
+        async with self.db.transaction(isolation="repeatable_read", readonly=True) as conn:
+            await self._require_project(conn, principal, project_id)
+            if await conn.fetchrow(q("task_snapshot"), task_id, project_id) is None:
+                raise NotFound("task")
+            rows = await conn.fetch(q("task_events_of_task"), task_id)
+        timeline: list[dict[str, Any]] = []
+        previous: dict[str, Any] = {}
+        for e in sorted(rows, key=lambda r: r["seq"]):
+            payload = e["public_payload"]
+            timeline.append(
+                {
+                    "event_id": e["seq"],
+                    "cursor": cursor_of(e["epoch"], e["seq"]),
+                    "task_version": e["task_version"],
+                    "created_at": e["created_at"].isoformat(),
+                    "changed": changed_fields(previous, payload),
+                    "payload": payload,
+                }
+            )
+            previous = payload
+        return {"events": timeline}
+
+
+PUBLIC_FIELDS = ("status", "stage", "progress", "asset_id", "error")
+
+
+def changed_fields(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+    """The public fields whose value differs between two payloads (all the set ones for the
+    first event of a task, ``before`` = ``{}``)."""
+    return [f for f in PUBLIC_FIELDS if before.get(f) != after.get(f)]
+
 
 def _audited(a: asyncpg.Record) -> dict[str, Any]:
     return {

@@ -32,6 +32,14 @@
 // States passed to onState(state, detail): "connecting", "live", "paused", "stopped", "error"
 // ("error": the server refused the credential for good, e.g. a revoked key or session; nothing is
 // retried).
+//
+// What the connection does, for a view that shows it (the web console's connection panel):
+// onConnection(kind, detail) with kind "open" (detail.after: the cursor it resumed from, or null),
+// "failure" (detail.reason), "reset" (detail.reason, detail.cursor) and "poll" (a snapshot read
+// while paused); `client.stats` counts them ({opens, reconnects, resumes, resets, failures, polls}:
+// a resume is a reconnect that went on from the cursor the page had).
+// onEvent(event, cursor) sees every event with a seq not seen before, even one whose task_version
+// the view already passed (a replay after polling): a timeline built from it misses nothing.
 
 const FINAL = new Set(["ready", "failed", "canceled"]);
 
@@ -147,6 +155,8 @@ export function createClient(options) {
     onTask = () => {},
     onState = () => {},
     onReset = () => {},
+    onEvent: onStreamEvent = () => {},
+    onConnection = () => {},
     maxFailures = 3,
     backoffBaseMs = 500,
     backoffCapMs = 15000,
@@ -180,6 +190,16 @@ export function createClient(options) {
   let pollTimer = null;
   let generation = 0; // bumps on every (re)connect so a stale stream's events are ignored
   const fetchingAsset = new Set();
+  const stats = { opens: 0, reconnects: 0, resumes: 0, resets: 0, failures: 0, polls: 0 };
+  let openedAfter = null; // the cursor the stream being opened resumes from
+
+  function note(kind, detail = {}) {
+    try {
+      onConnection(kind, { ...detail, cursor, transport, stats: { ...stats } });
+    } catch (error) {
+      console.warn("aivedio onConnection failed", error);
+    }
+  }
 
   function setState(next, detail = {}) {
     if (next === state && next !== "paused") return;
@@ -288,8 +308,9 @@ export function createClient(options) {
     if (gen !== generation) return;
     const id = parseCursor(eventCursor);
     if (id && id.epoch === epoch && id.seq <= lastSeq) return; // a seq already seen
-    applyEvent(event);
     if (id) moveCursor(eventCursor);
+    onStreamEvent(event, eventCursor);
+    applyEvent(event);
   }
 
   async function onResetData(gen, data) {
@@ -297,6 +318,8 @@ export function createClient(options) {
     // The stream goes on from the reset's cursor; the snapshot is newer than it, and the
     // task_version rule drops the events between the two.
     moveCursor(data.cursor);
+    stats.resets += 1;
+    note("reset", { reason: data.reason, resetTo: data.cursor });
     onReset(data);
     try {
       await readSnapshot();
@@ -309,6 +332,10 @@ export function createClient(options) {
     if (gen !== generation) return;
     failures = 0;
     stopPolling();
+    stats.opens += 1;
+    if (stats.opens > 1) stats.reconnects += 1;
+    if (stats.opens > 1 && openedAfter !== null) stats.resumes += 1;
+    note("open", { after: openedAfter, first: stats.opens === 1 });
     setState("live");
   }
 
@@ -406,6 +433,8 @@ export function createClient(options) {
     if (gen !== generation || !running) return;
     closeSource();
     failures += 1;
+    stats.failures += 1;
+    note("failure", { reason });
     if (failures >= maxFailures) {
       startPolling();
       setState("paused", { reason });
@@ -431,6 +460,7 @@ export function createClient(options) {
       if (getStreamToken) params.set("token", await getStreamToken());
       if (gen !== generation || !running) return;
       if (cursor !== null) params.set("after", cursor);
+      openedAfter = cursor;
       source =
         transport === "websocket" ? openWebSocket(gen, params) : openEventSource(gen, params);
     } catch (error) {
@@ -450,6 +480,8 @@ export function createClient(options) {
         // the stream cursor stays: the list covers only the newest tasks, so resuming from its
         // cursor could skip an older task's events; the replay (or a reset) is exact
         await readSnapshot();
+        stats.polls += 1;
+        note("poll");
       } catch (error) {
         if (error instanceof HttpError && (error.status === 401 || error.status === 403)) {
           // the credential is gone (an expired or revoked session): retrying cannot help
@@ -480,7 +512,34 @@ export function createClient(options) {
     get cursor() {
       return cursor;
     },
+    get stats() {
+      return { ...stats };
+    },
     transport,
+    /** One call of this project's API (`rest`: the path after `/v1/projects/{id}`). */
+    call(method, rest, body) {
+      return request(method, rest, body);
+    },
+    /** Ask to cancel (202 `cancel_requested`); 409 `not_cancelable` past the provider's work. */
+    async cancelTask(taskId) {
+      const data = await request("POST", `/tasks/${encodeURIComponent(taskId)}/cancel`);
+      applySnapshot(data.task);
+      return tasks.get(taskId);
+    },
+    /** A new attempt for a failed or canceled task (409 `not_retryable` otherwise). */
+    async retryTask(taskId) {
+      const data = await request("POST", `/tasks/${encodeURIComponent(taskId)}/retry`);
+      applySnapshot(data.task);
+      return tasks.get(taskId);
+    },
+    /** The task's public events, seq order, each with the fields it changed. */
+    async taskEvents(taskId) {
+      return (await request("GET", `/tasks/${encodeURIComponent(taskId)}/events`)).events;
+    },
+    /** The task's audit trail: events, ignored observations, unpublished versions. */
+    async taskAudit(taskId) {
+      return request("GET", `/tasks/${encodeURIComponent(taskId)}/audit`);
+    },
     /** Snapshot, then open the stream. Call it before creating any task. */
     async start() {
       if (running) return;
@@ -532,4 +591,24 @@ export function createClient(options) {
       return data.url;
     },
   };
+}
+
+/** One call of the API outside a project (`path` from `/v1`), on the session cookie. */
+export async function callApi({ baseUrl = "", method = "GET", path, body, fetchImpl }) {
+  const doFetch = fetchImpl || ((...args) => globalThis.fetch(...args));
+  const init = {
+    method,
+    headers: { [CSRF_HEADER]: "1" },
+    credentials: "same-origin",
+    cache: "no-store",
+  };
+  if (body !== undefined) {
+    init.headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  const response = await doFetch(`${baseUrl}${path}`, init);
+  const text = await response.text();
+  const data = text ? JSON.parse(text) : null;
+  if (!response.ok) throw new HttpError(response.status, data);
+  return data;
 }

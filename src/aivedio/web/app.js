@@ -1,4 +1,5 @@
-// The demo page: a prompt, a Generate button, the project's tasks live.
+// The web console: create tasks, watch them live, cancel / retry, a task's timeline and audit
+// trail, inline playback, what the connection does, and (with the sandbox provider) chaos.
 //
 // Credentials: `aivedio demo` prints a link `/#project=<id>&key=<api_key>`. A fragment never
 // reaches a server or its logs; the page exchanges the key ONCE for the browser session cookie
@@ -10,12 +11,15 @@
 // Transport: `?transport=websocket` (or the select in the header) streams over the WebSocket;
 // the default is SSE.
 import {
+  callApi,
   createClient,
   createSession,
   currentSession,
   endSession,
-  isFinal,
 } from "/static/aivedio-client.js";
+import { $, actionsOf, showError } from "/static/console-view.js";
+import { createDetail } from "/static/console-detail.js";
+import { createConnectionPanel, createChaosPanel } from "/static/console-panels.js";
 
 const STATES = {
   connecting: "connecting…",
@@ -31,21 +35,18 @@ const transport = TRANSPORTS.has(query.get("transport")) ? query.get("transport"
 const prompts = new Map(); // task id -> prompt, for the tasks this page created
 const rows = new Map(); // task id -> <li>
 
-const $ = (id) => document.getElementById(id);
+let client = null;
+let detail = null;
+let connection = null;
 
-function showError(message) {
-  const box = $("error");
-  box.textContent = message;
-  box.hidden = !message;
-}
-
-function renderState(state, detail) {
-  console.debug("aivedio state", state, detail.reason || "");
+function renderState(state, detailInfo) {
+  console.debug("aivedio state", state, detailInfo.reason || "");
   const live = $("live");
   live.textContent = STATES[state] || state;
   live.className = `indicator ${state}`;
   live.dataset.state = state;
-  if (state === "error") showError(`The stream was refused (${detail.reason}).`);
+  if (connection) connection.state(state, detailInfo);
+  if (state === "error") showError(`The stream was refused (${detailInfo.reason}).`);
 }
 
 function row(taskId) {
@@ -54,13 +55,25 @@ function row(taskId) {
   li = document.createElement("li");
   li.dataset.taskId = taskId;
   li.innerHTML =
-    '<div class="head"><span class="prompt"></span><span class="status"></span></div>' +
+    '<div class="head"><button type="button" class="prompt open"></button><span class="status"></span></div>' +
     '<progress max="100" value="0"></progress>' +
-    '<div class="foot"><span class="meta"></span> <a class="asset" hidden target="_blank" rel="noopener">open the video</a></div>';
+    '<div class="foot"><span class="meta"></span>' +
+    ' <a class="asset" hidden target="_blank" rel="noopener">open the video</a></div>' +
+    '<div class="actions">' +
+    '<button type="button" class="cancel">Cancel</button>' +
+    '<button type="button" class="retry">Retry</button>' +
+    '<span class="why"></span></div>';
   li.querySelector(".asset").addEventListener("click", openAsset);
+  li.querySelector(".open").addEventListener("click", () => detail.open(taskId));
+  li.querySelector(".cancel").addEventListener("click", () => command(taskId, "cancel"));
+  li.querySelector(".retry").addEventListener("click", () => command(taskId, "retry"));
   rows.set(taskId, li);
   $("tasks").prepend(li); // newest first
   return li;
+}
+
+function label(task) {
+  return prompts.get(task.id) || task.prompt || `task ${task.id.slice(0, 8)}`;
 }
 
 function renderTask(task) {
@@ -68,15 +81,31 @@ function renderTask(task) {
   const li = row(task.id);
   li.dataset.status = task.status;
   li.dataset.version = String(task.task_version);
-  li.querySelector(".prompt").textContent = prompts.get(task.id) || `task ${task.id.slice(0, 8)}`;
+  li.dataset.lastEventId = String(task.last_event_id ?? "");
+  const open = li.querySelector(".open");
+  open.textContent = label(task);
+  open.setAttribute("aria-label", `open the detail of ${label(task)}`);
   li.querySelector(".status").textContent = task.stage ? `${task.status} · ${task.stage}` : task.status;
   const bar = li.querySelector("progress");
   if (task.status === "ready") bar.value = 100;
   else if (task.progress === null || task.progress === undefined) bar.removeAttribute("value");
   else bar.value = task.progress;
-  bar.hidden = isFinal(task.status) && task.status !== "ready";
+  bar.hidden = task.status === "failed" || task.status === "canceled";
+  bar.setAttribute("aria-label", `progress ${task.progress ?? 0}%`);
   const error = task.error ? ` — ${task.error.message || task.error.code}` : "";
-  li.querySelector(".meta").textContent = `v${task.task_version}${error}`;
+  const seq = task.last_event_id ? ` · event #${task.last_event_id}` : "";
+  li.querySelector(".meta").textContent = `v${task.task_version}${seq}${error}`;
+  const actions = actionsOf(task.status);
+  const why = [];
+  for (const name of ["cancel", "retry"]) {
+    const button = li.querySelector(`.${name}`);
+    const reason = actions[name];
+    button.disabled = reason !== null;
+    button.title = reason || `${name} this task`;
+    button.dataset.reason = reason || "";
+    if (reason) why.push(`${name}: ${reason}`);
+  }
+  li.querySelector(".why").textContent = why.join(" · ");
   const link = li.querySelector(".asset");
   if (task.status === "ready" && task.asset) {
     link.hidden = false;
@@ -89,6 +118,22 @@ function renderTask(task) {
         .then((url) => url && link.setAttribute("href", url))
         .catch(() => {});
     }
+  }
+  if (detail) detail.taskChanged(task);
+}
+
+async function command(taskId, name) {
+  showError("");
+  const li = rows.get(taskId);
+  const button = li && li.querySelector(`.${name}`);
+  if (button) button.disabled = true;
+  try {
+    const task = name === "cancel" ? await client.cancelTask(taskId) : await client.retryTask(taskId);
+    if (task) renderTask(task);
+  } catch (error) {
+    showError(`Could not ${name} the task: ${error.message}`);
+    const task = client.tasks.get(taskId);
+    if (task) renderTask(task);
   }
 }
 
@@ -104,8 +149,6 @@ async function openAsset(event) {
     showError(`Could not open the video: ${error.message}`);
   }
 }
-
-let client = null;
 
 /** The project to show: exchange a key from the fragment for the cookie, or use the cookie. */
 async function sessionProject() {
@@ -143,6 +186,7 @@ async function main() {
     next.set("transport", picker.value);
     window.location.search = next.toString(); // the cookie keeps the page signed in
   });
+  connection = createConnectionPanel(transport);
   let projectId = null;
   try {
     projectId = await sessionProject();
@@ -159,8 +203,14 @@ async function main() {
     transport,
     onTask: renderTask,
     onState: renderState,
+    onEvent: (event, cursor) => {
+      connection.cursor(cursor);
+      if (detail) detail.streamed(event, cursor);
+    },
+    onConnection: (kind, info) => connection.note(kind, info),
     onReset: (reset) => console.debug("aivedio reset", reset.reason, reset.cursor),
   });
+  detail = createDetail(client, label);
   window.aivedio = client; // for the console (and the browser tests)
   $("signout").hidden = false;
   $("signout").addEventListener("click", async () => {
@@ -170,6 +220,7 @@ async function main() {
   });
   // Subscribe before submit (seed 004): the stream is open before the first task is created.
   await client.start();
+  createChaosPanel(client, callApi);
   $("create").addEventListener("submit", async (event) => {
     event.preventDefault();
     const input = $("prompt");

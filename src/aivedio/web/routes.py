@@ -1,4 +1,4 @@
-"""The web UI routes for the ``api`` role: ``/`` (the demo page) and ``/static/<file>``.
+"""The web UI routes for the ``api`` role: ``/`` (the console) and ``/static/<file>``.
 
 Only the files listed in ``FILES`` are served (no path from the request ever reaches the file
 system); they are read from the package once, when the routes are built. Every answer carries
@@ -23,6 +23,9 @@ FILES: dict[str, str] = {
     "index.html": "text/html; charset=utf-8",
     "app.js": "text/javascript; charset=utf-8",
     "aivedio-client.js": "text/javascript; charset=utf-8",
+    "console-view.js": "text/javascript; charset=utf-8",
+    "console-detail.js": "text/javascript; charset=utf-8",
+    "console-panels.js": "text/javascript; charset=utf-8",
     "app.css": "text/css; charset=utf-8",
 }
 

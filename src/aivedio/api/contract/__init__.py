@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from aivedio.api.contract.access import ACCESS_OPERATIONS
 from aivedio.api.contract.base import SECURITY_SCHEMES, Body, Operation, Param, Reply
+from aivedio.api.contract.sandbox import SANDBOX_OPERATIONS
 from aivedio.api.contract.service import OPS_OPERATIONS
 from aivedio.api.contract.streams import CALLBACK_OPERATIONS, STREAM_OPERATIONS
 from aivedio.api.contract.tasks import TASK_OPERATIONS
@@ -21,5 +22,6 @@ OPERATIONS: list[Operation] = [
     *ACCESS_OPERATIONS,
     *STREAM_OPERATIONS,
     *CALLBACK_OPERATIONS,
+    *SANDBOX_OPERATIONS,
     *OPS_OPERATIONS,
 ]

@@ -133,7 +133,7 @@ INVALID = error(
 def task_links(include_get: bool = True) -> dict[str, Any]:
     """Links from an answer carrying ``{"task": Snapshot}`` to the task's other operations."""
     params = {"project_id": "$request.path.project_id", "task_id": "$response.body#/task/id"}
-    names = ["GetTask", "CancelTask", "RetryTask", "GetTaskAudit"]
+    names = ["GetTask", "CancelTask", "RetryTask", "GetTaskAudit", "GetTaskEvents"]
     return {
         name: {"operationId": name, "parameters": params}
         for name in names

@@ -76,7 +76,7 @@ OPS_OPERATIONS = [
         "/",
         "WebPage",
         "web",
-        "The web page",
+        "The web console",
         replies={200: Reply("HTML", content_type="text/html", schema={"type": "string"})},
     ),
     Operation(
@@ -84,7 +84,7 @@ OPS_OPERATIONS = [
         "/static/{name}",
         "WebAsset",
         "web",
-        "The web page's scripts and styles",
+        "The web console's scripts and styles",
         params=(Param("name", "path", {"type": "string"}, required=True),),
         replies={
             200: Reply("the file", content_type="*/*", schema={}),

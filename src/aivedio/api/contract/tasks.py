@@ -169,4 +169,21 @@ TASK_OPERATIONS = [
             503: UNAVAILABLE,
         },
     ),
+    Operation(
+        "get",
+        TASK_PATH + "/events",
+        "GetTaskEvents",
+        "tasks",
+        "Read a task's public event timeline",
+        description="Every public event of the task in seq order, as the stream delivered it "
+        "(the same payload as a `task.status` frame), with the public fields each one changed.",
+        security=READ,
+        params=(PROJECT, TASK),
+        replies={
+            200: Reply("the timeline", m.TaskEvents),
+            401: UNAUTHORIZED,
+            404: NOT_FOUND,
+            503: UNAVAILABLE,
+        },
+    ),
 ]

@@ -20,34 +20,40 @@ RETURNING i.id, i.provider, i.dedup_key, i.provider_event_id, i.provider_task_id
           i.process_status, i.retry_count, i.event_type, i.attempt_id,
           i.payload_authenticated, i.trace_id
 
--- name: inbox_lock_claimed
--- Inside the apply transaction: the row is still ours (token) and still unprocessed.
-SELECT id FROM provider_callback_inbox
-WHERE id = $1 AND lease_token = $2 AND process_status IN ('pending', 'retry', 'orphan')
-FOR UPDATE
-
--- name: inbox_lock_claimed_many
--- inbox_lock_claimed for one project's rows of a claim ($1 ids): those still ours (token $2) and
--- unprocessed, locked in id order. A row another processor took over is not returned.
-SELECT id FROM provider_callback_inbox
-WHERE id = ANY($1::bigint[]) AND lease_token = $2
-  AND process_status IN ('pending', 'retry', 'orphan')
-ORDER BY id
-FOR UPDATE
-
--- name: inbox_finish_many
--- inbox_finish for the rows ($1 ids) of one batch transaction.
-UPDATE provider_callback_inbox
-SET process_status = 'processed', processed_at = COALESCE(processed_at, now()),
+-- name: inbox_take_claimed
+-- The first statement of the apply transaction: the row, if still ours (token $2) and
+-- unprocessed, locked and marked processed (lease dropped) at once; the transaction commits that
+-- with the row's effects or rolls it all back. NULL when another processor took the row over.
+-- (The state service's own inbox update then finds it processed and writes nothing more.)
+WITH mine AS (
+    SELECT id FROM provider_callback_inbox
+    WHERE id = $1 AND lease_token = $2 AND process_status IN ('pending', 'retry', 'orphan')
+    FOR UPDATE
+)
+UPDATE provider_callback_inbox i
+SET process_status = 'processed', processed_at = COALESCE(i.processed_at, now()),
     lease_until = NULL, lease_token = NULL
-WHERE id = ANY($1::bigint[])
+FROM mine
+WHERE i.id = mine.id
+RETURNING i.id
 
--- name: inbox_finish
--- The state service marked the row processed in this transaction; also drop the lease.
-UPDATE provider_callback_inbox
-SET process_status = 'processed', processed_at = COALESCE(processed_at, now()),
+-- name: inbox_take_claimed_many
+-- inbox_take_claimed for the rows ($1 ids) of one batch transaction: those still ours and
+-- unprocessed, locked in id order (two processors cannot deadlock on them) and marked processed.
+-- A row another processor took over is not returned.
+WITH mine AS (
+    SELECT id FROM provider_callback_inbox
+    WHERE id = ANY($1::bigint[]) AND lease_token = $2
+      AND process_status IN ('pending', 'retry', 'orphan')
+    ORDER BY id
+    FOR UPDATE
+)
+UPDATE provider_callback_inbox i
+SET process_status = 'processed', processed_at = COALESCE(i.processed_at, now()),
     lease_until = NULL, lease_token = NULL
-WHERE id = $1
+FROM mine
+WHERE i.id = mine.id
+RETURNING i.id
 
 -- name: inbox_defer
 -- Not processed this time: orphan (unmappable) or retry (parse / refetch failure) after a

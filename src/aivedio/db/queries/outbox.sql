@@ -6,7 +6,7 @@
 -- A row waiting for its retry (next_retry_at in the future) blocks them too.
 -- $1 batch size
 SELECT o.id, o.aggregate_id, o.aggregate_version, o.event_type, o.retry_count, o.created_at,
-       o.payload::text AS payload
+       o.payload::text AS payload, o.payload->>'trace_id' AS trace_id
 FROM outbox_events o
 WHERE o.publish_status = 'pending'
   AND (o.next_retry_at IS NULL OR o.next_retry_at <= now())

@@ -114,6 +114,7 @@ WITH stream AS (
     UPDATE provider_callback_inbox
     SET process_status = 'processed', processed_at = now()
     WHERE id = $22
+      AND process_status <> 'processed'  -- the inbox processor marked it first
     RETURNING id
 )
 SELECT (SELECT epoch FROM stream) AS epoch, (SELECT head FROM stream) AS head,
@@ -147,6 +148,7 @@ WITH audit AS (
     UPDATE provider_callback_inbox
     SET process_status = 'processed', processed_at = now()
     WHERE id = $12
+      AND process_status <> 'processed'  -- the inbox processor marked it first
     RETURNING id
 )
 SELECT (SELECT id FROM audit) AS audit_id, (SELECT id FROM item) AS item_id
@@ -287,6 +289,7 @@ WITH input AS MATERIALIZED (
     UPDATE provider_callback_inbox
     SET process_status = 'processed', processed_at = now()
     WHERE id IN (SELECT inbox_id FROM input WHERE inbox_id IS NOT NULL)
+      AND process_status <> 'processed'  -- the inbox processor marked it first
     RETURNING id
 )
 SELECT ord, epoch, seq, (SELECT count(*) FROM task) AS tasks_updated,
