@@ -35,6 +35,11 @@ def parse_duration(value: object) -> object:
     return value
 
 
+# The longest provider retry window we know of (OpenAI retries webhooks for up to 72 h; fal 10
+# times in 2 h; Svix-style senders about 28 h): the callback dedup window must exceed it.
+LONGEST_PROVIDER_RETRY = timedelta(hours=72)
+
+
 @dataclass(frozen=True, slots=True)
 class DatabaseConfig:
     url: str
@@ -175,8 +180,6 @@ class Settings(BaseSettings):
     @field_validator("callback_dedup_window")
     @classmethod
     def _outlasts_provider_retries(cls, value: timedelta) -> timedelta:
-        from aivedio.retention.config import LONGEST_PROVIDER_RETRY
-
         if value <= LONGEST_PROVIDER_RETRY:
             raise ValueError(
                 "must exceed the longest provider retry window (72h: OpenAI); a duplicate "
