@@ -217,7 +217,7 @@ async def serve(
     if http:
         routes = [r for p in parts.values() for r in p.routes]
         app = create_app(rt.db, rt.tasks, rt.settings.api, extra_routes=routes, health=rt.health)
-        gateway = next((p.gateway for p in parts.values() if p.gateway is not None), None)
+        gateway = next((p.gateway for p in parts.values() if isinstance(p.gateway, Gateway)), None)
         jobs.start("http", _serve_http(rt, app, port, gateway, stopping))
     log(logger, logging.INFO, "roles running", roles=list(roles), port=port if http else None)
     await stopping.wait()
