@@ -30,6 +30,7 @@ from tests.integration.test_gateway_chaos import (
     routed_to,
 )
 from tests.integration.test_gateway_harness import Env, EnvFactory, make_env
+from tests.waiting import eventually
 
 __all__ = ["make_env"]
 
@@ -44,13 +45,6 @@ async def redis(redis_url: str) -> AsyncIterator[Redis]:
 @pytest.fixture
 def prefix() -> str:
     return f"troute{uuid.uuid4().hex[:8]}"
-
-
-async def eventually(check: Callable[[], object], what: str, seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, f"timed out: {what}"
-        await asyncio.sleep(0.01)
 
 
 # -- the registry and the router --------------------------------------------------------------
