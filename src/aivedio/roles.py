@@ -63,7 +63,14 @@ async def _api(rt: Runtime) -> RoleParts:
     if rt.settings.sandbox_enabled:  # the console's chaos panel
         chaos = SandboxChaos(rt.settings.sandbox_url, rt.settings.sandbox_api_key)
         routes += sandbox_routes(rt.db, chaos)
-    return RoleParts(routes=[*routes, *playback_routes_for(rt), *web_routes()], http=True)
+    return RoleParts(
+        routes=[
+            *routes,
+            *playback_routes_for(rt),
+            *web_routes(sandbox=rt.settings.sandbox_enabled),
+        ],
+        http=True,
+    )
 
 
 async def _gateway(rt: Runtime) -> RoleParts:

@@ -202,6 +202,7 @@ def figures(
         "connections": {
             k: int(v) for k, v in now.by("aivedio_gateway_connections", "transport").items()
         },
+        "queued_events": int(now.total("aivedio_gateway_queued_events")),
         "lags": lags,
         "counters": {label: now.total(name) for label, name in COUNTERS},
         "roles_down": now.down(),
@@ -255,6 +256,7 @@ def render(data: dict[str, Any]) -> Group:
     conns.add_column("open", justify="right")
     for transport in sorted(set(data["connections"]) | {"sse", "ws"}):
         conns.add_row(transport, str(data["connections"].get(transport, 0)))
+    conns.add_row("queued events", str(data["queued_events"]))
     lags = Table(title=f"lags ({data['window']})", title_justify="left")
     lags.add_column("stage")
     lags.add_column("n", justify="right")

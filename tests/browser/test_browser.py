@@ -24,6 +24,11 @@ pytestmark = pytest.mark.browser
 
 READY_WITHIN_MS = 90_000  # a bound, not a timing assertion
 FAST = '{"sandbox": {"queue_s": 0.1, "duration_s": 0.2, "steps": 1}}'
+# What Chromium itself logs, as errors, for the streams and polls of a killed server
+REFUSED_STREAMS = re.compile(
+    r"(Failed to load resource|net::ERR_|EventSource's response has a MIME type"
+    r"|WebSocket connection to '.*' failed)"
+)
 
 
 @dataclass
@@ -31,9 +36,18 @@ class Console:
     """What the page logged: its states and every task view it rendered."""
 
     lines: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
 
     def __call__(self, message: ConsoleMessage) -> None:
         self.lines.append(message.text)
+        if message.type == "error":
+            self.errors.append(message.text)
+
+    def assert_no_errors(self, allowed: re.Pattern[str] | None = None) -> None:
+        """No console error and no uncaught exception, but what Chromium itself logs for what
+        the test broke on purpose (``allowed``)."""
+        errors = [e for e in self.errors if allowed is None or not allowed.search(e)]
+        assert errors == [], errors
 
     def states(self) -> list[str]:
         return [line.split()[2] for line in self.lines if line.startswith("aivedio state ")]
@@ -56,7 +70,7 @@ class Console:
 def open_page(page: Page, stack: Stack, transport: str | None = None) -> Console:
     console = Console()
     page.on("console", console)
-    page.on("pageerror", lambda error: console.lines.append(f"pageerror {error}"))
+    page.on("pageerror", lambda error: console.errors.append(f"pageerror {error}"))
     page.on("websocket", lambda ws: console.lines.append(f"websocket {ws.url}"))
     page.on("request", lambda request: console.lines.append(f"request {request.url}"))
     page.goto(stack.url(transport))
@@ -138,6 +152,7 @@ def test_a_task_reaches_ready_in_the_page(page: Page, demo: Stack, transport: st
     shot = os.environ.get("AIVEDIO_SCREENSHOT")
     if shot:
         page.screenshot(path=shot, full_page=True)
+    console.assert_no_errors()
 
 
 def test_a_task_that_finishes_in_under_a_second_is_seen(page: Page, demo: Stack) -> None:
@@ -145,6 +160,7 @@ def test_a_task_that_finishes_in_under_a_second_is_seen(page: Page, demo: Stack)
     task_id = wait_ready(generate(page, "one quick frame", FAST))
     assert console.statuses(task_id)[-1] == "ready"
     assert console.states() == ["connecting", "live"]  # seen on the stream, never by polling
+    console.assert_no_errors()
 
 
 def test_the_stream_stays_open_after_a_task_completes(page: Page, demo: Stack) -> None:
@@ -155,6 +171,7 @@ def test_the_stream_stays_open_after_a_task_completes(page: Page, demo: Stack) -
     assert console.statuses(second)[-1] == "ready"
     # one stream for both: it never closed, so the page never (re)connected again
     assert console.states() == ["connecting", "live"]
+    console.assert_no_errors()
 
 
 @pytest.mark.parametrize("transport", ["sse", "websocket"])
@@ -185,6 +202,7 @@ def test_the_page_survives_a_gateway_killed_mid_task(
     assert states[-1] == "live"
     assert "paused" in states  # it did lose the stream, and came back
     assert_transport(console, transport)
+    console.assert_no_errors(allowed=REFUSED_STREAMS)
 
 
 def test_a_reset_rereads_the_snapshot_and_the_stream_goes_on(page: Page, demo: Stack) -> None:
@@ -221,6 +239,7 @@ def test_a_reset_rereads_the_snapshot_and_the_stream_goes_on(page: Page, demo: S
     assert console.statuses(later)[-1] == "ready"
     assert console.states() == ["connecting", "live"]  # the reset did not drop the stream
     assert len(rewritten) == 1
+    console.assert_no_errors()
 
 
 def assert_transport(console: Console, transport: str) -> None:
@@ -268,6 +287,7 @@ def test_the_page_trades_the_key_for_an_httponly_cookie(page: Page, demo: Stack)
         """async (p) => (await fetch(`/v1/projects/${p}/tasks`)).status""", demo.project_id
     )
     assert status == 401
+    console.assert_no_errors(allowed=re.compile(r"status of 401"))  # the fetch just above
 
 
 def test_the_transport_select_switches_to_the_websocket(page: Page, demo: Stack) -> None:
@@ -280,3 +300,4 @@ def test_the_transport_select_switches_to_the_websocket(page: Page, demo: Stack)
     assert console.websockets(), console.lines
     task_id = wait_ready(generate(page, "over the websocket", FAST))
     assert console.statuses(task_id)[-1] == "ready"
+    console.assert_no_errors()

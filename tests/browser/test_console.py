@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
 
-from tests.browser.conftest import Stack
+from tests.browser.conftest import Stack, aivedio, free_port, start_core
 
 if TYPE_CHECKING:
     from playwright.sync_api import ConsoleMessage, Locator, Page
@@ -40,11 +41,14 @@ class Watch:
 
     errors: list[str] = field(default_factory=list)
     allow_network_noise: bool = False
+    allowed: re.Pattern[str] | None = None  # what else Chromium may log for what the test broke
 
     def __call__(self, message: ConsoleMessage) -> None:
         if message.type != "error":
             return
         if self.allow_network_noise and NETWORK_NOISE.search(message.text):
+            return
+        if self.allowed is not None and self.allowed.search(message.text):
             return
         self.errors.append(message.text)
 
@@ -161,8 +165,23 @@ def test_create_watch_to_ready_play_inline_and_read_the_timeline(page: Page, dem
     expect(player).to_have_attribute("src", re.compile(r"/v1/media/[^?]+\?exp=\d+&sig="))
     expect(player).to_have_attribute("data-loaded", "1", timeout=30_000)
     assert page.evaluate("document.getElementById('player').videoWidth") > 0
-    # the audit trail is read (the sandbox's duplicate-free run may have nothing to show)
-    expect(page.locator("#audit")).to_have_attribute("data-entries", re.compile(r"^\d+$"))
+    # every task version is in the timeline (a public event) or in the audit trail (a version
+    # that changed no public field): the page shows the whole history
+    page.wait_for_function(
+        """(n) => {
+            const versions = (sel) =>
+                [...document.querySelectorAll(sel)].map((r) => Number(r.dataset.version));
+            const shown = versions("#timeline tbody tr");
+            const unpublished = versions("#audit tbody tr[data-outcome=applied]");
+            const all = new Set([...shown, ...unpublished]);
+            if (all.size !== shown.length + unpublished.length || all.size !== n) return false;
+            return [...all].every((v) => v >= 1 && v <= n);
+        }""",
+        arg=snapshot["task_version"],
+    )
+    # the OpenAPI reference is one link away
+    expect(page.locator("#api-docs")).to_have_attribute("href", "/docs")
+    assert httpx.get(f"{demo.base}/docs").status_code == 200
     shot = os.environ.get("AIVEDIO_CONSOLE_SCREENSHOT")
     if shot:  # the README's picture
         page.set_viewport_size({"width": 1400, "height": 900})
@@ -172,6 +191,33 @@ def test_create_watch_to_ready_play_inline_and_read_the_timeline(page: Page, dem
     page.keyboard.press("Escape")
     expect(detail).to_be_hidden()
     expect(row.locator(".open")).to_be_focused()
+    watch.assert_clean()
+
+
+def test_an_expired_playback_link_is_asked_for_again(page: Page, demo: Stack) -> None:
+    """The first signed link is refused (as an expired one is, 403): the player asks the API for
+    a fresh link, once, and plays that one."""
+    from playwright.sync_api import Route, expect
+
+    refused: list[str] = []
+
+    def expire_first(route: Route) -> None:
+        if refused:
+            route.continue_()
+            return
+        refused.append(route.request.url)
+        route.fulfill(status=403, content_type="application/json", body='{"error": {}}')
+
+    page.route(re.compile(r".*/v1/media/.*"), expire_first)
+    watch = open_console(page, demo)
+    watch.allowed = re.compile(r"status of 403")  # Chromium's line about the refused link
+    row = generate(page, "played twice", STEPS)
+    row.locator(".open").click()
+    expect(row).to_have_attribute("data-status", "ready", timeout=READY_WITHIN_MS)
+    player = page.locator("#player")
+    expect(player).to_have_attribute("data-link", "reauthorised", timeout=30_000)
+    expect(player).to_have_attribute("data-loaded", "1", timeout=30_000)
+    assert len(refused) == 1
     watch.assert_clean()
 
 
@@ -409,3 +455,30 @@ def test_the_console_api_answers_as_documented(demo: Stack) -> None:
         f"{demo.base}/v1/projects/{demo.project_id}/tasks/{other}/events", headers=auth
     )
     assert none.status_code == 404
+
+
+def test_without_the_sandbox_there_is_no_chaos_panel_and_no_console_error(
+    page: Page, env: dict[str, str], tmp_path: Path, stacks: list[Stack]
+) -> None:
+    """A deployment with the sandbox provider off: the page does not even probe its knobs (a
+    404 would be an error in the browser's console) and shows no chaos panel."""
+    from playwright.sync_api import expect
+
+    env = env | {"AIVEDIO_SANDBOX_ENABLED": "false", "AIVEDIO_PORT": str(free_port())}
+    made = aivedio(env, "admin", "create-project", "--tenant", "plain", "--project", "plain")
+    stack = Stack(
+        f"http://127.0.0.1:{env['AIVEDIO_PORT']}",
+        str(made["project_id"]),
+        str(made["api_key"]),
+        [],
+        env,
+        tmp_path,
+    )
+    stacks.append(stack)
+    start_core(stack)
+    probes: list[str] = []
+    page.on("request", lambda r: probes.append(r.url) if "/sandbox/" in r.url else None)
+    watch = open_console(page, stack)
+    expect(page.locator("#chaos")).to_be_hidden()
+    assert probes == []
+    watch.assert_clean()

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from prometheus_client import REGISTRY
 
+from aivedio.bus import BusConfig
 from aivedio.bus.jetstream import JetStreamBus
-from aivedio.bus.port import BusConfig
 from aivedio.client import Client, Frame
 from tests.integration.chain import LONG, Chain, running_chain, value_of
 from tests.integration.test_gateway_harness import EnvFactory, make_env, open_stalled
@@ -350,6 +350,41 @@ async def test_slow_evictions(make_env: EnvFactory) -> None:
         await eventually(evicted, "the stalled client to be evicted")
     finally:
         stalled.close()
+
+
+async def test_send_queue_length(make_env: EnvFactory) -> None:
+    """A client that stops reading: once its socket buffer is full, events wait in its send
+    queue, and the gauges (read at scrape) show them."""
+    env = await make_env(
+        socket_send_buffer=4096,
+        write_high_water=4096,
+        write_low_water=1024,
+        queue_max_events=100_000,
+        queue_max_bytes=64 * 1024 * 1024,
+        stall_timeout_s=60.0,
+    )
+    stalled = await open_stalled(
+        env.base_url,
+        f"GET /v1/projects/{env.project.project_id}/events HTTP/1.1\r\nHost: x\r\n"
+        f"Authorization: Bearer {env.project.api_key}\r\n\r\n",
+    )
+    try:
+
+        async def queued() -> bool:
+            if registry("aivedio_gateway_queued_events") > 0:
+                return True
+            for _ in range(20):
+                await env.new_task()
+            return False
+
+        await eventually(queued, "events to wait in the stalled client's queue")
+        assert registry("aivedio_gateway_longest_queue_events") > 0
+    finally:
+        stalled.close()
+    await eventually(
+        lambda: _async(registry("aivedio_gateway_queued_events") == 0),
+        "the queue to go with its connection",
+    )
 
 
 async def test_resets(make_env: EnvFactory) -> None:

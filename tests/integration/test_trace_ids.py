@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from aivedio.bus.port import BusConfig
+from aivedio.bus import BusConfig
 from aivedio.client import Client
 from aivedio.logs import JsonFormatter
 from tests.integration.chain import LONG, Chain, running_chain
@@ -81,7 +81,7 @@ def payload(value: Any) -> dict[str, Any]:
 async def bus_messages(chain: Chain, task_id: str) -> list[dict[str, Any]]:
     """The task's messages on the bus stream, as the relay published them."""
     messages = await stream_messages(
-        chain.rt.urls.nats_url, BusConfig.from_settings(chain.settings, "")
+        chain.rt.urls.nats_url, BusConfig.from_settings(chain.settings, chain.rt.urls.nats_url)
     )
     out = []
     for _key, data in messages:

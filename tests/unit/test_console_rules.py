@@ -4,9 +4,14 @@
 from __future__ import annotations
 
 import re
+import socket
 import uuid
 from importlib import resources
 
+import pytest
+
+from aivedio.api.http import ApiError
+from aivedio.api.sandbox import SandboxChaos
 from aivedio.domain.statuses import CANCELABLE, PUBLIC_STATUSES, RETRYABLE, STATUS_TABLE
 from aivedio.gateway.outage import Outages
 from aivedio.state.tasks import changed_fields
@@ -55,3 +60,14 @@ def test_an_outage_lasts_its_seconds_for_its_project_only() -> None:
     assert outages.active(project) == 0
     outages.start(project, 0)
     assert outages.active(project) == 0
+
+
+async def test_a_sandbox_that_does_not_answer_is_503_sandbox_unavailable() -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    chaos = SandboxChaos(f"http://127.0.0.1:{port}", "key", timeout_s=2)
+    with pytest.raises(ApiError) as refused:
+        await chaos.call("GET")
+    assert (refused.value.status, refused.value.code) == (503, "sandbox_unavailable")
+    assert refused.value.headers["Retry-After"] == "2"

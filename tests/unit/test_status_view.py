@@ -20,6 +20,8 @@ aivedio_inbox_lag_seconds_sum 3.0
 # TYPE aivedio_gateway_connections gauge
 aivedio_gateway_connections{transport="sse"} 3.0
 aivedio_gateway_connections{transport="ws"} 1.0
+# TYPE aivedio_gateway_queued_events gauge
+aivedio_gateway_queued_events 5.0
 # TYPE aivedio_bus_dead_letters counter
 aivedio_bus_dead_letters_total{group="dispatcher",reason="malformed",topic="task.status"} 2.0
 # TYPE aivedio_role_up gauge
@@ -48,6 +50,7 @@ def test_figures_sum_the_endpoints_and_take_the_interval_once_there_are_two_scra
     first.add(METRICS)  # a second process with the same figures
     data = figures(None, first)
     assert data["connections"] == {"sse": 6, "ws": 2}
+    assert data["queued_events"] == 10
     assert data["counters"]["bus dead letters"] == 4
     assert data["roles_down"] == ["relay/relay", "relay/relay"]
     assert data["lags"]["inbox lag"]["count"] == 200
@@ -98,6 +101,7 @@ def test_a_frame_shows_every_section() -> None:
         "running",
         "contradictory_terminal",
         "connections",
+        "queued events",
         "inbox lag",
         "bus dead letters",
         "roles down: relay/relay",

@@ -46,7 +46,7 @@ class SandboxChaos:
             log(logger, logging.WARNING, "sandbox provider unreachable", error=repr(exc))
             raise _unavailable() from exc
         if answer.status_code == 422:
-            message = answer.json().get("error", {}).get("message", "invalid chaos knobs")
+            message = _message(answer) or "invalid chaos knobs"
             raise ApiError(
                 422,
                 "validation_failed",
@@ -56,7 +56,22 @@ class SandboxChaos:
         if answer.status_code != 200:
             log(logger, logging.WARNING, "sandbox provider refused", status=answer.status_code)
             raise _unavailable()
-        return ChaosKnobs.model_validate(answer.json())
+        try:
+            return ChaosKnobs.model_validate(answer.json())
+        except ValueError as exc:  # not JSON, or not the knobs: not a sandbox provider
+            log(logger, logging.WARNING, "sandbox provider answered no knobs", error=repr(exc))
+            raise _unavailable() from exc
+
+
+def _message(answer: httpx.Response) -> str | None:
+    """The sandbox's error message (``{"error": {"message"}}``), if it sent one."""
+    try:
+        body = answer.json()
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    message = error.get("message") if isinstance(error, dict) else None
+    return str(message) if message else None
 
 
 def _unavailable() -> ApiError:

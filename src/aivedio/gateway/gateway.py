@@ -111,6 +111,7 @@ class Gateway:
             channel=channel,
             on_project=self._on_project,
         )
+        metrics.watch(self.hub)
         self.tailcheck = TailCheck(self.hub, self.store, config)
         self.interest = InterestMarks(
             self.redis,

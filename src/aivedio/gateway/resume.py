@@ -108,7 +108,8 @@ class ProjectStream:
         for session in tuple(self.sessions):
             session.deliver(event)
         if event.stored_at is not None and self.sessions:  # once per event and node
-            metrics.EVENT_AGE.labels(source).observe(max(0.0, time.time() - event.stored_at))
+            age = metrics.EVENT_AGE_BY_SOURCE.get(source) or metrics.EVENT_AGE.labels(source)
+            age.observe(max(0.0, time.time() - event.stored_at))
         if logger.isEnabledFor(logging.DEBUG):
             log(
                 logger,

@@ -63,6 +63,11 @@ function row(taskId) {
     '<button type="button" class="cancel">Cancel</button>' +
     '<button type="button" class="retry">Retry</button>' +
     '<span class="why"></span></div>';
+  const why = li.querySelector(".why");
+  why.id = `why-${taskId}`;
+  for (const name of ["cancel", "retry"]) {
+    li.querySelector(`.${name}`).setAttribute("aria-describedby", why.id);
+  }
   li.querySelector(".asset").addEventListener("click", openAsset);
   li.querySelector(".open").addEventListener("click", () => detail.open(taskId));
   li.querySelector(".cancel").addEventListener("click", () => command(taskId, "cancel"));

@@ -193,6 +193,7 @@ export function createDetail(client, label) {
       ...entries.map((a) => {
         const tr = document.createElement("tr");
         tr.dataset.outcome = a.outcome;
+        tr.dataset.version = a.task_version === null ? "" : String(a.task_version);
         return cells(tr, [clock(a.received_at), a.outcome, a.reason, a.source, a.observed, a.task_version]);
       }),
     );

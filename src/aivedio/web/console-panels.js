@@ -1,8 +1,8 @@
 // The connection panel (transport, cursor, reconnects, resumes, resets, polls, and a log of what
 // the connection did) and the chaos panel (the sandbox provider's knobs, behind the API's
 // credentials, and a stream outage: the gateway cuts this project's streams and refuses new ones
-// for a while). The chaos panel shows only where `GET /v1/sandbox/chaos` answers, i.e. where the
-// sandbox provider is enabled.
+// for a while). The chaos panel shows only where the sandbox provider is enabled: the page says so
+// (`<body data-sandbox="on">`, set by the server) and `GET /v1/sandbox/chaos` answers.
 import { $, clock, showError } from "/static/console-view.js";
 
 const LOG_MAX = 60;
@@ -70,11 +70,12 @@ function describe(knobs) {
 
 export async function createChaosPanel(client, callApi) {
   const panel = $("chaos");
+  if (document.body.dataset.sandbox !== "on") return; // no sandbox provider here: no chaos panel
   let knobs;
   try {
     knobs = await callApi({ path: "/v1/sandbox/chaos" });
   } catch {
-    return; // not the sandbox provider (404), or it does not answer: no chaos panel
+    return; // the sandbox does not answer: no chaos panel
   }
   panel.hidden = false;
 

@@ -44,8 +44,12 @@ class _Asset:
     etag: str
 
 
-def _load(name: str) -> _Asset:
+def _load(name: str, *, sandbox: bool = False) -> _Asset:
     body = resources.files("aivedio.web").joinpath(name).read_bytes()
+    if name == "index.html" and sandbox:
+        # The console probes the sandbox's chaos knobs only where they exist: a probe answered
+        # 404 would be an error in the browser's console on every other deployment.
+        body = body.replace(b"<body>", b'<body data-sandbox="on">', 1)
     etag = '"' + hashlib.sha256(body).hexdigest()[:32] + '"'
     return _Asset(body, FILES[name], etag)
 
@@ -62,9 +66,10 @@ def _respond(request: Request, asset: _Asset, extra: dict[str, str] | None = Non
     return Response(asset.body, media_type=asset.content_type, headers=headers)
 
 
-def web_routes() -> list[BaseRoute]:
-    """``GET /`` -> the page; ``GET /static/{name}`` -> one of ``FILES`` (404 otherwise)."""
-    assets = {name: _load(name) for name in FILES}
+def web_routes(*, sandbox: bool = False) -> list[BaseRoute]:
+    """``GET /`` -> the page; ``GET /static/{name}`` -> one of ``FILES`` (404 otherwise).
+    ``sandbox``: the sandbox provider is enabled (the page then shows the chaos panel)."""
+    assets = {name: _load(name, sandbox=sandbox) for name in FILES}
     page = assets["index.html"]
 
     async def index(request: Request) -> Response:
