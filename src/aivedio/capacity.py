@@ -160,9 +160,9 @@ def plan(
     saturation = e2e.get("saturation_per_s")
     if saturation is not None and not math.isnan(saturation) and peak > saturation:
         warnings.append(
-            f"the peak {peak:g}/s is above the measured saturation {saturation:g}/s of "
-            f"{e2e.get('procs')} processes: one hot project's events are serialised on its "
-            "stream row, so spread load over projects or measure at the planned size"
+            f"the peak {peak:g}/s is above the measured saturation {saturation:g}/s (the "
+            f"highest rate with p99 <= 100 ms and nothing lost) of {e2e.get('procs')} "
+            "processes: the plan's cores are a lower bound; measure at the planned size"
         )
     return {
         "workload": workload,

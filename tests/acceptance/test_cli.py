@@ -148,6 +148,13 @@ def test_operator_commands_answer_in_json_lines(env: dict[str, str]) -> None:
     replay = run_cli(env, "inbox", "replay", "123456")
     assert replay.returncode == 1
     assert json.loads(replay.stdout.splitlines()[-1]) == {"id": 123456, "requeued": False}
+    rounds = run_cli(env, "admin", "maintenance")
+    assert rounds.returncode == 0, rounds.stderr
+    assert json.loads(rounds.stdout.splitlines()[-1])["skipped"] is False
+    nobody = run_cli(env, "admin", "bump-epoch", "--project", str(uuid.uuid4()))
+    assert nobody.returncode == 1
+    assert json.loads(nobody.stdout.splitlines()[-1]) == {"bumped": 0}
+    assert run_cli(env, "admin", "bump-epoch").returncode == 2  # --project ID or --all
 
 
 def test_unknown_role_is_refused(env: dict[str, str]) -> None:
@@ -163,7 +170,13 @@ def test_unknown_role_is_refused(env: dict[str, str]) -> None:
 
 
 @pytest.mark.parametrize(
-    ("variable", "value"), [("AIVEDIO_CALLBACK_MAX_INFLIGHT", "0"), ("AIVEDIO_PORT", "eighty")]
+    ("variable", "value"),
+    [
+        ("AIVEDIO_CALLBACK_MAX_INFLIGHT", "0"),
+        ("AIVEDIO_PORT", "eighty"),
+        ("AIVEDIO_CALLBACK_DEDUP_WINDOW", "48h"),  # shorter than a provider's retries
+        ("AIVEDIO_EVENT_RETENTION", "6h"),  # less than one day partition
+    ],
 )
 def test_a_bad_setting_is_named_without_a_traceback(
     env: dict[str, str], variable: str, value: str

@@ -4,6 +4,8 @@ floor (SSE and WebSocket); interrupted rounds; two rounds at once; outbox and in
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -230,4 +232,55 @@ async def test_a_closed_day_is_packed_once_and_stays_a_partition(make_env: EnvFa
     client.view.cursor = f"{epoch}-0"
     got = await collect(client.connect_once(), lambda fs: len(seqs(fs)) >= 6)
     assert seqs(got) == [1, 2, 3, 4, 5, 6]
+    await client.aclose()
+
+
+async def test_a_round_killed_while_it_detaches_loses_no_event_above_a_floor(
+    make_env: EnvFactory, database_url: str
+) -> None:
+    """``aivedio admin maintenance`` is SIGKILLed between the floors and the drop (its detach
+    waits for an older transaction); every seq above every floor is still stored, whatever the
+    server then finishes; the next round drops what is left."""
+    env = await make_env(publish=False)
+    for _ in range(6):
+        await env.new_task()
+    epoch, head = await env.head()
+    old = await age_events(env.db, env.project.project_id, 3, days=12)
+    blocker = await env.db.session()  # an older transaction the detach has to wait for
+    await blocker.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    await blocker.fetchval("SELECT count(*) FROM task_events")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "aivedio",
+        "admin",
+        "maintenance",
+        env={**os.environ, "AIVEDIO_DATABASE_URL": database_url},
+        stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(600):  # a bound: until the detach is under way (floors raised before)
+            async with env.db.connection() as conn:
+                pending = [p.name for p in await list_partitions(conn) if p.detach_pending]
+            if pending:
+                break
+            await asyncio.sleep(0.05)
+        assert pending == [old]
+        assert await stream_row(env.db, env.project.project_id) == (epoch, head, 3)
+        assert await holes_above_floor(env.db) == {}
+    finally:
+        proc.kill()
+        await proc.wait()
+        await blocker.close()
+    assert await holes_above_floor(env.db) == {}
+    result = await Maintenance(env.db, CONFIG).run_once()
+    assert result.partitions_dropped == [old]  # finalized and dropped, or dropped if detached
+    assert await holes_above_floor(env.db) == {}
+    async with env.db.connection() as conn:
+        assert await conn.fetchval("SELECT to_regclass($1)", old) is None
+    client = env.client(transport="ws")
+    client.view.cursor = f"{epoch}-3"
+    got = await collect(client.connect_once(), lambda fs: len(seqs(fs)) >= 3)
+    assert seqs(got) == [4, 5, 6]
     await client.aclose()

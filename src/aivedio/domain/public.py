@@ -67,3 +67,21 @@ def public_event(
         "task_version": task_version,
         **public_fields(status, stage, progress, asset_id, error_code),
     }
+
+
+def stored_event(
+    stored: dict[str, Any], task_id: uuid.UUID, task_version: int, seq: int
+) -> dict[str, Any]:
+    """A task event as clients see it, from its ``task_events`` row: the stored payload leaves
+    out what the row's columns say (``task_id``, ``task_version``, the seq) and null fields
+    (rows written before that keep them: the columns win)."""
+    return {
+        "event_id": seq,
+        "task_id": str(task_id),
+        "task_version": task_version,
+        "status": stored.get("status"),
+        "stage": stored.get("stage"),
+        "progress": stored.get("progress"),
+        "asset_id": stored.get("asset_id"),
+        "error": stored.get("error"),
+    }

@@ -6,7 +6,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+
 from aivedio.db.pool import Database
+from aivedio.domain.public import stored_event
 from aivedio.gateway.frames import Event, make_event
 
 POSITION = "SELECT epoch, head, floor FROM event_streams WHERE project_id = $1"
@@ -16,7 +19,8 @@ SELECT project_id, epoch, head, floor FROM event_streams WHERE project_id = ANY(
 """
 
 EVENTS = """
-SELECT seq, public_payload, trace_id, created_at FROM task_events
+SELECT seq, task_id, task_version, public_payload::text AS public_payload, trace_id, created_at
+FROM task_events
 WHERE project_id = $1 AND epoch = $2 AND seq > $3 AND seq <= $4
 ORDER BY seq
 LIMIT $5
@@ -57,7 +61,9 @@ class EventStore:
             make_event(
                 epoch,
                 r["seq"],
-                _payload(r["public_payload"]),
+                stored_event(
+                    _payload(r["public_payload"]), r["task_id"], r["task_version"], r["seq"]
+                ),
                 stored_at=r["created_at"].timestamp(),
                 trace_id=r["trace_id"],
             )
@@ -71,10 +77,10 @@ class EventStore:
 
 
 def _payload(value: Any) -> dict[str, Any]:
+    """The stored payload: read as text and parsed here (orjson: a fifth of the pool's json
+    codec's cost, per event of a replay)."""
     if isinstance(value, dict):
         return value
-    import json
-
-    loaded = json.loads(value)
+    loaded = orjson.loads(value)
     assert isinstance(loaded, dict)
     return loaded

@@ -44,6 +44,7 @@ from aivedio.retention.partitions import (
     detach_and_drop,
     droppable,
     ensure_partitions,
+    ident,
     list_partitions,
     raise_floors,
 )
@@ -154,6 +155,10 @@ class Maintenance:
             DROP_SECONDS.observe(time.perf_counter() - began)
             result.partitions_dropped.append(partition.name)
             log(logger, logging.INFO, "event partition dropped", partition=partition.name)
+        for row in await conn.fetch(q("detached_event_tables")):
+            await conn.execute(f"DROP TABLE {ident(row['name'])}")
+            result.partitions_dropped.append(row["name"])
+            log(logger, logging.INFO, "detached event table dropped", table=row["name"])
         ACTIONS.labels("partitions_dropped").inc(len(result.partitions_dropped))
         ACTIONS.labels("floors_raised").inc(result.floors_raised)
         if cfg.compact:

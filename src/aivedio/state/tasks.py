@@ -20,7 +20,7 @@ import asyncpg
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.domain.observation import PlatformKind, PlatformObservation, Source
-from aivedio.domain.public import public_error
+from aivedio.domain.public import public_error, stored_event
 from aivedio.domain.statuses import CANCELABLE, RETRYABLE, STATUS_TABLE, Status
 from aivedio.domain.transitions import RETRY_CHANGE, TaskChange
 from aivedio.errors import Conflict, IdempotencyMismatch, NotFound
@@ -332,7 +332,9 @@ class TaskStore:
                     "source": e["source"],
                     "trace_id": e["trace_id"],
                     "created_at": e["created_at"].isoformat(),
-                    "payload": e["public_payload"],
+                    "payload": stored_event(
+                        e["public_payload"], task_id, e["task_version"], e["seq"]
+                    ),
                 }
                 for e in events
             ],
@@ -353,7 +355,7 @@ class TaskStore:
         timeline: list[dict[str, Any]] = []
         previous: dict[str, Any] = {}
         for e in sorted(rows, key=lambda r: r["seq"]):
-            payload = e["public_payload"]
+            payload = stored_event(e["public_payload"], task_id, e["task_version"], e["seq"])
             timeline.append(
                 {
                     "event_id": e["seq"],

@@ -71,3 +71,15 @@ SET epoch = GREATEST(epoch + 1, (extract(epoch FROM clock_timestamp()) * 1000)::
     floor = head, updated_at = now()
 WHERE $1::uuid[] IS NULL OR project_id = ANY($1::uuid[])
 RETURNING project_id, epoch, head
+
+-- name: detached_event_tables
+-- Tables a detach left behind: a round killed while its DETACH ... CONCURRENTLY waited leaves
+-- the server to finish the detach, and the DROP never comes. Their streams' floors were raised
+-- before the detach began, and nothing reads them: the next round drops them. (To keep a day,
+-- rename its table before it is detached.)
+SELECT c.relname AS name
+FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace
+WHERE n.nspname = current_schema() AND c.relkind = 'r' AND NOT c.relispartition
+  AND c.relname ~ '^task_events_(p[0-9]{8}|legacy)$'
+ORDER BY c.relname
