@@ -19,6 +19,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from aivedio.channels import broadcast_channel
+
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(d|h|m|s)?\s*$")
 _UNIT_S = {"d": 86400.0, "h": 3600.0, "m": 60.0, "s": 1.0, None: 1.0}
 
@@ -31,6 +33,11 @@ def parse_duration(value: object) -> object:
     if isinstance(value, str) and (match := _DURATION.match(value.lower())):
         return timedelta(seconds=float(match[1]) * _UNIT_S[match[2]])
     return value
+
+
+# The longest provider retry window we know of (OpenAI retries webhooks for up to 72 h; fal 10
+# times in 2 h; Svix-style senders about 28 h): the callback dedup window must exceed it.
+LONGEST_PROVIDER_RETRY = timedelta(hours=72)
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +123,7 @@ class Settings(BaseSettings):
     kling_callback_secrets: str = ""
     log_level: str = "INFO"
     secret_key: str | None = None
-    gateway_channel: str = "aivedio:events"
+    gateway_channel: str = broadcast_channel()
     gateway_heartbeat_s: float = 20.0
     gateway_session_cap_s: float = 1800.0
     gateway_replay_cap: int = 1000
@@ -173,8 +180,6 @@ class Settings(BaseSettings):
     @field_validator("callback_dedup_window")
     @classmethod
     def _outlasts_provider_retries(cls, value: timedelta) -> timedelta:
-        from aivedio.retention.config import LONGEST_PROVIDER_RETRY
-
         if value <= LONGEST_PROVIDER_RETRY:
             raise ValueError(
                 "must exceed the longest provider retry window (72h: OpenAI); a duplicate "

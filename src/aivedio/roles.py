@@ -27,7 +27,6 @@ from aivedio.errors import ConfigError, DatabaseUnavailable
 from aivedio.gateway import Gateway, stream_token_routes
 from aivedio.gateway.config import GatewayConfig
 from aivedio.gateway.outage import stream_outage_routes
-from aivedio.gateway.routing import node_dispatcher_role
 from aivedio.gateway.server import serve_http
 from aivedio.ingest.processor import inbox_role
 from aivedio.ingest.role import callbacks_role
@@ -38,6 +37,7 @@ from aivedio.process.parts import RoleLoop, RoleParts
 from aivedio.process.restart import RestartPolicy, restart_delay
 from aivedio.process.supervisor import supervise
 from aivedio.propagation.roles import dispatcher_role, relay_role
+from aivedio.propagation.routing import node_dispatcher_role
 from aivedio.providers.base import ProviderAdapter
 from aivedio.providers.registry import build_providers, providers_config
 from aivedio.reconcile.role import reconciler_loops
@@ -224,7 +224,7 @@ async def serve(
     if http:
         routes = [r for p in parts.values() for r in p.routes]
         app = create_app(rt.db, rt.tasks, rt.settings.api, extra_routes=routes, health=rt.health)
-        gateway = next((p.gateway for p in parts.values() if p.gateway is not None), None)
+        gateway = next((p.gateway for p in parts.values() if isinstance(p.gateway, Gateway)), None)
         jobs.start("http", _serve_http(rt, app, port, gateway, stopping))
     log(logger, logging.INFO, "roles running", roles=list(roles), port=port if http else None)
     await stopping.wait()

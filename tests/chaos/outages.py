@@ -18,7 +18,7 @@ import socket
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +39,7 @@ from aivedio.sandbox import create_app as sandbox_app
 from aivedio.services import embedded
 from aivedio.services.embedded import ServiceUrls
 from tests.conftest import with_database
+from tests.waiting import eventually
 
 Kind = Literal["postgres", "valkey", "nats"]
 DEADLINE_S = 60.0  # only to fail instead of hanging; nothing is asserted about durations
@@ -137,17 +138,6 @@ async def fresh_database(admin_url: str) -> str:
     finally:
         await conn.close()
     return url
-
-
-async def eventually(
-    condition: Callable[[], Awaitable[bool]], what: str, deadline_s: float = DEADLINE_S
-) -> None:
-    """Wait for ``condition``; the deadline only turns a hang into a failure."""
-    deadline = time.monotonic() + deadline_s
-    while not await condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def restart_counts() -> dict[tuple[str, str], float]:

@@ -29,11 +29,11 @@ from tests.chaos.outages import (
     PrivateServers,
     Stack,
     all_roles,
-    eventually,
     private_servers,
     restart_counts,
 )
 from tests.integration.helpers import Project, make_project
+from tests.waiting import eventually
 
 QUICK = {"sandbox": {"queue_s": 0.05, "duration_s": 0.3, "steps": 2}}
 

@@ -13,7 +13,7 @@ import json
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +30,7 @@ from aivedio.roles import AVAILABLE, serve
 from aivedio.runtime import Runtime
 from aivedio.sandbox import create_app as sandbox_app
 from aivedio.services.embedded import ServiceUrls
+from tests.waiting import eventually
 
 DEADLINE_S = 60.0  # only to fail instead of hanging; nothing is asserted about durations
 # A task of the sandbox that finishes in about a second, through a few progress steps.
@@ -41,17 +42,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-async def eventually(
-    condition: Callable[[], Awaitable[bool]], what: str, deadline_s: float = DEADLINE_S
-) -> None:
-    """Wait for ``condition``; the deadline only turns a hang into a failure."""
-    deadline = time.monotonic() + deadline_s
-    while not await condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def parse_metrics(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:

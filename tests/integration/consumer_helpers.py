@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -58,16 +57,6 @@ async def running(loop: Callable[[asyncio.Event], Awaitable[None]]) -> AsyncIter
     finally:
         stopping.set()
         await asyncio.wait_for(job, 20)
-
-
-async def eventually(
-    condition: Callable[[], Awaitable[bool]], *, timeout: float = 15.0, what: str = "condition"
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 @dataclass

@@ -124,18 +124,6 @@ class Subscriber:
             await asyncio.sleep(0.02)
 
 
-async def wait_until(
-    check: Callable[[], Awaitable[bool]],
-    timeout: float = 20.0,
-    what: str = "condition",
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 @contextlib.asynccontextmanager
 async def running(*loops: Callable[[asyncio.Event], Awaitable[None]]) -> AsyncIterator[None]:
     """Run ``loop(stopping)`` coroutines in the background for the block; re-raise their errors."""

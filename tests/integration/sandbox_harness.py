@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import socket
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -23,6 +22,7 @@ from aivedio.db.pool import Database
 from aivedio.providers.base import HttpConfig
 from aivedio.providers.sandbox import SandboxAdapter
 from aivedio.sandbox import SandboxConfig, create_app
+from tests.waiting import eventually as wait_until
 
 API_KEY = "sk_sandbox_submit"
 SECRET = "whsec_" + base64.b64encode(b"submit-secret-submit-secret-0000").decode()
@@ -111,26 +111,6 @@ async def running_sandbox(**overrides: Any) -> AsyncIterator[Sandbox]:
         server.should_exit = True
         await asyncio.wait_for(task, 20)
         sock.close()
-
-
-async def wait_until(
-    condition: Callable[[], bool], *, timeout: float = 15.0, what: str = "condition"
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-async def eventually(
-    condition: Callable[[], Awaitable[bool]], *, timeout: float = 15.0, what: str = "condition"
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def task_row(db: Database, task_id: uuid.UUID) -> dict[str, Any]:

@@ -26,7 +26,6 @@ from tests.contract.bus_contract import contract_config
 from tests.integration.consumer_helpers import (
     AckLoser,
     apply_all,
-    eventually,
     platform,
     prov,
     publish_outbox,
@@ -34,6 +33,7 @@ from tests.integration.consumer_helpers import (
 )
 from tests.integration.helpers import Project, make_project, make_task, store
 from tests.integration.test_bus_jetstream import _delete_streams
+from tests.waiting import eventually
 
 PRICES = PriceTable({"sandbox/m1": 250, "sandbox/*": 90}, default=40)
 CONFIG = BillingConfig(

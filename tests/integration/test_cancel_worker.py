@@ -19,11 +19,11 @@ from tests.integration.sandbox_harness import (
     LONG,
     QUICK,
     Sandbox,
-    eventually,
     make_due,
     running_sandbox,
     task_row,
 )
+from tests.waiting import eventually
 
 
 @pytest.fixture

@@ -18,12 +18,13 @@ from aivedio.consumers import ConsumerSettings
 from aivedio.db.pool import Database
 from aivedio.state.service import StateService
 from tests.contract.bus_contract import contract_config
-from tests.integration.consumer_helpers import eventually, publish_outbox, running
+from tests.integration.consumer_helpers import publish_outbox, running
 from tests.integration.helpers import make_project
 from tests.integration.test_api_database_down import via
 from tests.integration.test_billing import PRICES, kinds, ledger, succeeded_task
 from tests.integration.test_bus_jetstream import _delete_streams
 from tests.proxy import TcpProxy
+from tests.waiting import eventually
 
 
 @pytest.fixture

@@ -28,9 +28,10 @@ from aivedio.process.restart import RestartPolicy
 from aivedio.process.supervisor import supervise
 from aivedio.propagation.relay import OutboxRelay, RelayConfig
 from tests.integration.helpers import make_project, make_task, store
-from tests.integration.propagation import outbox_counts, private_bus, wait_until
+from tests.integration.propagation import outbox_counts, private_bus
 from tests.integration.test_api_database_down import via
 from tests.proxy import TcpProxy
+from tests.waiting import eventually as wait_until
 
 
 def fatal(

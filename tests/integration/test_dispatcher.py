@@ -21,14 +21,9 @@ from aivedio.propagation.dispatcher import (
     broadcast_channel,
     redis_client,
 )
-from tests.integration.propagation import (
-    Subscriber,
-    bus_config,
-    delete_streams,
-    running,
-    wait_until,
-)
+from tests.integration.propagation import Subscriber, bus_config, delete_streams, running
 from tests.proxy import TcpProxy
+from tests.waiting import eventually as wait_until
 
 
 @pytest.fixture
@@ -137,7 +132,7 @@ async def test_poison_message_is_dead_lettered_and_listed(
                 letters[:] = await list_dead_letters(bus, "dispatcher", 10)
                 return bool(letters)
 
-            await wait_until(dead, 20, "the dead letter")
+            await wait_until(dead, "the dead letter", 20)
     finally:
         await sub.stop()
     [letter] = letters

@@ -19,10 +19,10 @@ import pytest
 from redis import Redis as SyncRedis
 
 from aivedio.bus.jetstream import JetStreamBus
+from aivedio.channels import node_channel
 from aivedio.client import Client, Frame
 from aivedio.db.pool import Database
 from aivedio.domain.observation import ProviderStatus
-from aivedio.gateway.routing import NodeRouter, RouterConfig, node_channel
 from aivedio.propagation.dispatcher import (
     DispatcherConfig,
     NotificationDispatcher,
@@ -30,6 +30,7 @@ from aivedio.propagation.dispatcher import (
     redis_client,
 )
 from aivedio.propagation.relay import OutboxRelay, RelayConfig
+from aivedio.propagation.routing import NodeRouter, RouterConfig
 from tests.integration.propagation import bus_config, delete_streams, running
 from tests.integration.test_gateway_harness import (
     Env,

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 
 import pytest
 from redis.asyncio import Redis
@@ -16,6 +15,7 @@ from redis.asyncio import Redis
 from aivedio.polling.ratelimit import interest_key, watched
 from tests.integration.test_gateway_chaos import Reader
 from tests.integration.test_gateway_harness import EnvFactory, make_env
+from tests.waiting import eventually
 
 __all__ = ["make_env"]
 
@@ -27,13 +27,6 @@ async def redis(redis_url: str) -> AsyncIterator[Redis]:
     client = Redis.from_url(redis_url)
     yield client
     await client.aclose()
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], what: str, seconds: float = 5) -> None:
-    deadline = time.monotonic() + seconds
-    while not await check():
-        assert time.monotonic() < deadline, f"timed out: {what}"
-        await asyncio.sleep(0.05)
 
 
 @pytest.mark.parametrize("fanout", ["broadcast", "node"])

@@ -13,19 +13,13 @@ import pytest
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
+from aivedio.channels import broadcast_channel, node_channel, routes_changed_channel, routes_key
 from aivedio.config import Settings
 from aivedio.db.pool import Database
 from aivedio.domain.observation import ProviderStatus
 from aivedio.gateway.config import GatewayConfig
-from aivedio.gateway.routing import (
-    NodeRouter,
-    NodeRoutes,
-    RouterConfig,
-    node_channel,
-    routes_changed_channel,
-    routes_key,
-)
-from aivedio.propagation.dispatcher import broadcast_channel
+from aivedio.gateway.routing import NodeRoutes
+from aivedio.propagation.routing import NodeRouter, RouterConfig
 from tests.integration.propagation import Subscriber, running
 from tests.integration.test_gateway_chaos import (
     all_delivered,
@@ -36,6 +30,7 @@ from tests.integration.test_gateway_chaos import (
     routed_to,
 )
 from tests.integration.test_gateway_harness import Env, EnvFactory, make_env
+from tests.waiting import eventually
 
 __all__ = ["make_env"]
 
@@ -50,13 +45,6 @@ async def redis(redis_url: str) -> AsyncIterator[Redis]:
 @pytest.fixture
 def prefix() -> str:
     return f"troute{uuid.uuid4().hex[:8]}"
-
-
-async def eventually(check: Callable[[], object], what: str, seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not check():
-        assert time.monotonic() < deadline, f"timed out: {what}"
-        await asyncio.sleep(0.01)
 
 
 # -- the registry and the router --------------------------------------------------------------

@@ -232,11 +232,9 @@ async def test_slow_body_is_408_and_the_connection_closes(slow_server: Server) -
     body = body_for(1)
     reader, writer = await slow_server.connect()
     writer.write(signed_head(body) + body[:10])
-    started = time.monotonic()
-    answer = await read_answer(reader)
+    answer = await read_answer(reader)  # the body timeout's answer, not a timing measurement
     assert answer.status == 408
     assert json.loads(answer.body)["error"]["code"] == "request_timeout"
-    assert 0.25 < time.monotonic() - started < 3
     assert await closed_by_server(reader)
     assert await slow_server.keys() == []
 
@@ -245,9 +243,7 @@ async def test_idle_keep_alive_connection_is_closed(slow_server: Server) -> None
     reader, writer = await slow_server.connect()
     writer.write(callback(1))
     assert (await read_answer(reader)).status == 204
-    started = time.monotonic()
-    assert await closed_by_server(reader)  # uvicorn's timeout_keep_alive (1 s here) later
-    assert 0.5 < time.monotonic() - started < 4
+    assert await closed_by_server(reader)  # by uvicorn's timeout_keep_alive (1 s here)
 
 
 async def test_oversized_head_is_431_and_closes(server: Server) -> None:

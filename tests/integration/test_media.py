@@ -48,7 +48,6 @@ from tests.contract.bus_contract import contract_config
 from tests.integration.consumer_helpers import (
     AckLoser,
     apply_all,
-    eventually,
     platform,
     prov,
     publish_outbox,
@@ -56,6 +55,7 @@ from tests.integration.consumer_helpers import (
 )
 from tests.integration.helpers import Project, make_project, make_task, store
 from tests.integration.test_bus_jetstream import _delete_streams
+from tests.waiting import eventually
 
 API_KEY = "sk_media_test"
 FAST = {"sandbox": {"queue_s": 0, "duration_s": 0.05, "steps": 1}}

@@ -23,8 +23,9 @@ from prometheus_client import REGISTRY
 from aivedio.bus import BusConfig
 from aivedio.bus.jetstream import JetStreamBus
 from aivedio.client import Client, Frame
-from tests.integration.chain import LONG, Chain, eventually, running_chain, value_of
+from tests.integration.chain import LONG, Chain, running_chain, value_of
 from tests.integration.test_gateway_harness import EnvFactory, make_env, open_stalled
+from tests.waiting import eventually
 
 __all__ = ["make_env"]
 

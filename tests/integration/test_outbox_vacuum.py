@@ -12,13 +12,8 @@ from aivedio.db.pool import Database
 from aivedio.propagation.relay import OutboxRelay, RelayConfig
 from aivedio.state.service import StateService
 from tests.integration.helpers import make_project, make_task, store
-from tests.integration.propagation import (
-    advance,
-    outbox_counts,
-    private_bus,
-    running,
-    wait_until,
-)
+from tests.integration.propagation import advance, outbox_counts, private_bus, running
+from tests.waiting import eventually as wait_until
 
 
 @pytest.fixture
@@ -48,7 +43,7 @@ async def test_relay_vacuums_after_a_drained_backlog_only(db: Database, bus: Bus
         async def drained_and_vacuumed() -> bool:
             return (await outbox_counts(db)) == {"published": 12} and await vacuums(db) > before
 
-        await wait_until(drained_and_vacuumed, 20, "the backlog drained and vacuumed")
+        await wait_until(drained_and_vacuumed, "the backlog drained and vacuumed", 20)
     after = await vacuums(db)
 
     # Below the threshold: no vacuum.
@@ -59,5 +54,5 @@ async def test_relay_vacuums_after_a_drained_backlog_only(db: Database, bus: Bus
         async def published() -> bool:
             return (await outbox_counts(db)) == {"published": 16}
 
-        await wait_until(published, 20, "the new rows published")
+        await wait_until(published, "the new rows published", 20)
     assert await vacuums(db) == after

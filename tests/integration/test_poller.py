@@ -14,7 +14,7 @@ import random
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,6 +37,7 @@ from aivedio.sandbox import SandboxConfig, create_app
 from aivedio.state.service import StateService
 from tests.integration.helpers import Project, make_project, make_task, store
 from tests.proxy import TcpProxy
+from tests.waiting import eventually as wait_until
 
 API_KEY = "sk_poller_test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -79,21 +80,6 @@ class Sandbox:
         r = await self.http.post(f"{self.url}/_sandbox/reset", headers=AUTH)
         assert r.status_code == 200
         await self.chaos(**knobs)
-
-
-async def wait_until(
-    check: Callable[[], Any], *, timeout: float = 30.0, what: str = "condition"
-) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def start_sandbox(**config: Any) -> Sandbox:

@@ -16,6 +16,7 @@ from aivedio.polling.buckets import Limit
 from aivedio.polling.config import RateLimitConfig
 from aivedio.polling.ratelimit import RateLimiter, Scope, mark_interest, watched
 from tests.proxy import TcpProxy
+from tests.waiting import eventually
 
 SCOPE = Scope("sandbox", "m1", "tenant-a")
 
@@ -146,11 +147,12 @@ async def test_local_fallback_starts_empty_is_shared_and_recovers(
         elapsed = time.monotonic() - start + 0.05
         assert total <= 20 * elapsed + 2  # a third of 60/s, burst 2
         await proxy.start()  # Redis is back
-        deadline = time.monotonic() + 5
-        while limiter.mode != "redis":
-            assert time.monotonic() < deadline, "did not go back to Redis"
+
+        async def back_on_redis() -> bool:
             await limiter.take(SCOPE, 1)
-            await asyncio.sleep(0.05)
+            return limiter.mode == "redis"
+
+        await eventually(back_on_redis, "the limiter to go back to Redis", interval=0.05)
     finally:
         await r.aclose()
 
@@ -192,10 +194,11 @@ async def test_interest_keys(redis: aioredis.Redis) -> None:
     assert await redis.exists(f"{prefix}:task:{t1}") == 1
     seen = await watched(redis, [(t1, p1), (t2, p2), (t3, p1)], prefix=prefix)
     assert seen == {str(t1), str(t2), str(t3)}
-    deadline = time.monotonic() + 5
-    while str(t3) in await watched(redis, [(t3, p1)], prefix=prefix):
-        assert time.monotonic() < deadline, "interest did not lapse"
-        await asyncio.sleep(0.05)
+
+    async def lapsed() -> bool:
+        return str(t3) not in await watched(redis, [(t3, p1)], prefix=prefix)
+
+    await eventually(lapsed, "the short interest to lapse")
     assert await watched(None, [(t1, p1)], prefix=prefix) == set()
     with pytest.raises(ValueError, match="task_id or a project_id"):
         await mark_interest(redis)

@@ -25,11 +25,11 @@ from tests.integration.sandbox_harness import (
     QUICK,
     NoLookupSandbox,
     Sandbox,
-    eventually,
     make_due,
     running_sandbox,
     task_row,
 )
+from tests.waiting import eventually
 
 NOW = ReconcilerConfig(expected_max_duration_s=0, lookup_grace_s=0, check_interval_s=3600)
 

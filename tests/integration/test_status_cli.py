@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 
 from aivedio.client import Client
-from tests.integration.chain import LONG, Chain, eventually, running_chain
+from tests.integration.chain import LONG, Chain, running_chain
 from tests.integration.test_metrics import listening, run_quick_task
+from tests.waiting import eventually
 
 
 @pytest.fixture

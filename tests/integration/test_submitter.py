@@ -28,11 +28,11 @@ from tests.integration.sandbox_harness import (
     FaultyCreates,
     NoKeySandbox,
     Sandbox,
-    eventually,
     make_due,
     running_sandbox,
     task_row,
 )
+from tests.waiting import eventually
 
 FAST = SubmitterConfig(backoff_base_s=0.01, backoff_cap_s=0.05, auth_backoff_s=300)
 

@@ -19,9 +19,10 @@ import pytest
 from aivedio.bus import BusConfig
 from aivedio.client import Client
 from aivedio.logs import JsonFormatter
-from tests.integration.chain import LONG, Chain, eventually, running_chain
+from tests.integration.chain import LONG, Chain, running_chain
 from tests.integration.propagation import stream_messages
 from tests.integration.test_metrics import _async, listening
+from tests.waiting import eventually
 
 
 class Lines(logging.Handler):

@@ -3,14 +3,13 @@ it before reading PostgreSQL; a seq really lost is read from the store after the
 
 from __future__ import annotations
 
-import asyncio
 import uuid
-from typing import Any
 
 from aivedio.gateway.config import GatewayConfig
 from aivedio.gateway.frames import Event, make_event
 from aivedio.gateway.resume import ProjectStream
 from aivedio.gateway.store import Position
+from tests.waiting import eventually as until
 
 EPOCH = 7
 
@@ -52,14 +51,6 @@ async def stream_with(store: Store, wait_s: float) -> tuple[ProjectStream, Sessi
     stream.sessions.add(session)  # type: ignore[arg-type]
     await stream.start()
     return stream, session
-
-
-async def until(check: Any) -> None:
-    for _ in range(500):
-        if check():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("timed out")
 
 
 async def test_a_reordered_event_is_delivered_in_order_without_a_read() -> None:

@@ -5,14 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
+from aivedio.channels import DEFAULT_PREFIX, GATEWAY_KEY_PREFIX, INTEREST_PREFIX, broadcast_channel
 from aivedio.config import Settings
 
 
 @dataclass(frozen=True, slots=True)
 class GatewayConfig:
     redis_url: str
-    channel: str = "aivedio:events"  # the broadcast channel the dispatcher publishes to
-    key_prefix: str = "aivedio:gw"  # Redis keys of the connection counters
+    channel: str = broadcast_channel()  # the broadcast channel the dispatcher publishes to
+    key_prefix: str = GATEWAY_KEY_PREFIX  # Redis keys of the connection counters
     token_secret: bytes = b""  # HMAC key of stream tokens (>= 32 random bytes in production)
     heartbeat_s: float = 20.0  # `: ping` comment interval, below proxy idle timeouts
     retry_ms: int = 2000  # the `retry:` hint sent on connect
@@ -57,11 +58,11 @@ class GatewayConfig:
     # project -> node routes in Redis for the dispatcher (gateway/routing.py).
     fanout: str = "broadcast"
     node_id: str = ""  # "" -> <host>-<pid>-<random>, unique per process start
-    channel_prefix: str = "aivedio"  # the dispatcher's channel_prefix (node channels, routes)
+    channel_prefix: str = DEFAULT_PREFIX  # the dispatcher's channel_prefix (node channels, routes)
     route_ttl_s: float = 30.0  # a route lapses this long after its node's last refresh
     route_check_delay_s: float = 1.0  # early tail check after a (re)registration
     interest_ttl_s: float = 30.0  # polling interest marks (aivedio.polling.ratelimit)
-    interest_prefix: str = "aivedio:interest"
+    interest_prefix: str = INTEREST_PREFIX
     redis_timeout_s: float = 2.0  # per Redis command of the gateway (not the subscription)
     # Diagnostic (AIVEDIO_GATEWAY_TIMING, off by default): each live SSE frame also carries a
     # comment line ``: timing <relayed> <dispatched> <written>`` (Unix times: the relay's

@@ -21,6 +21,7 @@ import uuid
 
 from redis.asyncio import Redis
 
+from aivedio.channels import node_channel
 from aivedio.db.pool import Database
 from aivedio.errors import DatabaseUnavailable
 from aivedio.gateway import frames, metrics
@@ -45,7 +46,6 @@ from aivedio.gateway.routing import (
     Target,
     check_node_id,
     new_node_id,
-    node_channel,
 )
 from aivedio.gateway.session import NOTHING, Identity, Session
 from aivedio.gateway.store import EventStore

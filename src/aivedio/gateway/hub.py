@@ -36,11 +36,6 @@ from aivedio.process import health
 logger = logging.getLogger("aivedio.gateway")
 
 
-def channel_name(prefix: str = "aivedio:events") -> str:
-    """The broadcast channel (the dispatcher publishes every public event there)."""
-    return prefix
-
-
 class Hub:
     def __init__(
         self,

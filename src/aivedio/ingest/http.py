@@ -226,6 +226,7 @@ class CallbackProtocol(asyncio.Protocol):
         self.url = b""
         self.raw_headers: list[tuple[bytes, bytes]] = []
         self.content_length = -1  # -1: none (then chunked, or no body)
+        self.other_coding = False  # a transfer coding other than chunked alone
         self.expect_continue = False
         self.trace_header: bytes | None = None
         self.headers_done = False
@@ -311,9 +312,11 @@ class CallbackProtocol(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.raw_headers.append((name, value))
-        if len(name) in (6, 11, 14):  # expect, traceparent, content-length (no lower() each)
+        if len(name) in (6, 11, 14, 17):  # expect, traceparent, content-length, transfer-encoding
             lowered = name.lower()
-            if lowered == b"content-length":
+            if lowered == b"transfer-encoding":
+                self.other_coding = self.other_coding or value.strip().lower() != b"chunked"
+            elif lowered == b"content-length":
                 self.content_length = int(value)  # llhttp checked the digits
             elif lowered == b"traceparent":
                 self.trace_header = value
@@ -379,6 +382,9 @@ class CallbackProtocol(asyncio.Protocol):
         if not self.headers_done:  # our blank line is not the parser's end of the head
             self._fail(400, self._provider_name())
             return False
+        if self.other_coding:  # framing we would not decode (RFC 9112 6.1): refused, as h11 does
+            self._fail(400, self._provider_name())
+            return False
         self._begin()
         return not self.closing
 
@@ -386,6 +392,7 @@ class CallbackProtocol(asyncio.Protocol):
         self.url = b""
         self.raw_headers = []
         self.content_length = -1
+        self.other_coding = False
         self.expect_continue = False
         self.trace_header = None
         self.headers_done = False

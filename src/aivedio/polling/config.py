@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from aivedio.channels import INTEREST_PREFIX, RATE_LIMIT_PREFIX
 from aivedio.polling.buckets import Limit
 from aivedio.polling.policy import BreakerConfig, PollPolicy
 
@@ -44,7 +45,7 @@ class RateLimitConfig:
     tenant: Limit = field(default_factory=lambda: Limit(100.0, 10.0))
     tenants: Mapping[str, Limit] = field(default_factory=dict)
     replicas: int = 1
-    prefix: str = "aivedio:rl"
+    prefix: str = RATE_LIMIT_PREFIX
     redis_timeout_s: float = 0.25
     redis_retry_s: float = 1.0
     heartbeat_s: float = 5.0
@@ -93,7 +94,7 @@ class PollerConfig:
         default_factory=lambda: BreakerConfig(threshold=1, cool_down_s=60.0, max_cool_down_s=900.0)
     )
     limits: RateLimitConfig = field(default_factory=RateLimitConfig)
-    interest_prefix: str = "aivedio:interest"
+    interest_prefix: str = INTEREST_PREFIX
 
     def __post_init__(self) -> None:
         if self.concurrency < 1 or self.batch < 1:

@@ -30,6 +30,7 @@ import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge
 from redis.exceptions import RedisError
 
+from aivedio.channels import INTEREST_PREFIX
 from aivedio.logs import log
 from aivedio.polling.buckets import Bucket, Grant, Limit, take_all
 from aivedio.polling.config import RateLimitConfig
@@ -275,8 +276,6 @@ class RateLimiter:
 
 
 # --- online interest -----------------------------------------------------------------------
-
-INTEREST_PREFIX = "aivedio:interest"
 
 
 def interest_key(

@@ -10,12 +10,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from starlette.routing import BaseRoute
-
-if TYPE_CHECKING:
-    from aivedio.gateway import Gateway
 
 __all__ = ["Loop", "RoleLoop", "RoleParts"]
 
@@ -41,5 +37,7 @@ class RoleParts:
     http: bool = False
     on_stop: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
     """Run after the HTTP server and every loop have stopped (drain, close clients)."""
-    gateway: Gateway | None = None
-    """The SSE gateway, served on the shared port by ``serve_http``."""
+    gateway: object | None = None
+    """The SSE and WebSocket gateway (an ``aivedio.gateway.Gateway``), served on the shared port
+    by ``serve_http``. Typed ``object`` here so that this module, which every role imports,
+    imports no role; ``aivedio.roles`` checks the type where it hands it on."""

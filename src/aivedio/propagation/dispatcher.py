@@ -45,6 +45,7 @@ import redis.exceptions
 from prometheus_client import Counter, Histogram
 
 from aivedio.bus import Bus, BusClosed, BusError, BusUnavailable, Consumer, Delivery
+from aivedio.channels import DEFAULT_PREFIX, broadcast_channel
 from aivedio.logs import log
 from aivedio.process import health
 
@@ -83,17 +84,11 @@ BATCH_SECONDS = Histogram(
 REDIS_ERRORS_CAUGHT: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
 
 
-def broadcast_channel(prefix: str = "aivedio") -> str:
-    """The channel every gateway subscribes to. Node-directed channels come with the realtime
-    work (``<prefix>:node:<id>``); a router then picks channels per event."""
-    return f"{prefix}:events"
-
-
 @dataclass(frozen=True, slots=True)
 class DispatcherConfig:
     topic: str = "task.status"
     group: str = "dispatcher"
-    channel_prefix: str = "aivedio"
+    channel_prefix: str = DEFAULT_PREFIX
     batch_size: int = 500
     idle_fetch_s: float = 1.0  # long-poll for the next event when there is nothing to do
     lru_size: int = 100_000  # tasks whose highest published version is remembered

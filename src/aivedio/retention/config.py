@@ -4,14 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from aivedio.config import Settings
+from aivedio.config import LONGEST_PROVIDER_RETRY, Settings
 
-# The longest provider retry window we know of (OpenAI retries webhooks for up to 72 h; fal 10
-# times in 2 h; Svix-style senders about 28 h): the callback dedup window must exceed it.
-LONGEST_PROVIDER_RETRY = timedelta(hours=72)
+__all__ = ["LONGEST_PROVIDER_RETRY", "RetentionConfig"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,38 @@
+"""The one way a test waits for something to happen: :func:`eventually`.
+
+A test asserts on conditions, never on how long something took (benchmarks measure time). The
+timeout only turns a hang into a failure with a name; it is generous on purpose, and a slow,
+shared machine makes a test slower, not red.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["eventually"]
+
+
+async def eventually(
+    check: Callable[[], Any],
+    what: str = "condition",
+    timeout: float = 30.0,
+    *,
+    interval: float = 0.02,
+) -> Any:
+    """Call ``check`` (plain or async) until it returns something truthy, and return that.
+
+    Raises ``AssertionError("timed out waiting for <what>")`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(interval)
