@@ -7,7 +7,7 @@ The workload follows the seed's method: tasks arrive at ``tasks_per_s`` (lambda)
 ``events_per_s`` replaces that peak with a rate of the user's own.
 
 The costs are measured, never assumed: CPU microseconds per event of every process group and
-PostgreSQL transactions per event from an ``aivedio bench e2e`` JSON line (``e2e=FILE``, or
+PostgreSQL write transactions per event from an ``aivedio bench e2e`` JSON line (``e2e=FILE``, or
 ``measure=1`` runs a short one), bytes per SSE connection from ``aivedio bench connections``
 (``connections=FILE``) and frames per second of one gateway process from ``aivedio bench
 fanout`` (``fanout=FILE``). Every figure of the plan names the measured figure it came from;
@@ -136,13 +136,13 @@ def plan(
         # One Python process runs on one core: at most `utilization` of it.
         entry["processes"] = max(1, math.ceil(cores))
         entry["from"] = f"cpu_us_per_event_by_process['aivedio-*-{role}'] of {source}"
-    xacts = e2e.get("pg_xacts_per_event")
+    xacts = e2e.get("pg_write_xacts_per_event")
     postgres_tx = {
         "per_s": xacts * peak if xacts is not None else None,
         "per_event": xacts,
-        "from": f"pg_xacts_per_event of {source}"
+        "from": f"pg_write_xacts_per_event of {source}"
         if xacts is not None
-        else "unknown: the bench e2e JSON predates pg_xacts_per_event",
+        else "unknown: the bench e2e JSON predates pg_write_xacts_per_event",
     }
     groups = len(GROUPS)
     nats = {
@@ -242,7 +242,7 @@ def _print(result: Mapping[str, Any]) -> None:
         print(f"  role {role:<14} {r['processes']:3d} process(es) ({r['cores']:.2f} cores)")
     tx = result["postgres_transactions"]
     if tx["per_s"] is not None:
-        print(f"  PostgreSQL {tx['per_s']:,.0f} transactions/s ({tx['per_event']} per event)")
+        print(f"  PostgreSQL {tx['per_s']:,.0f} write transactions/s ({tx['per_event']} per event)")
     print(f"  NATS {result['nats']['messages_per_s']:,.0f} messages/s ({result['nats']['from']})")
     print(f"  Redis {result['redis']['publishes_per_s']:,.0f} publishes/s")
     g = result["gateway"]

@@ -19,7 +19,7 @@ E2E = {
     "procs": 2,
     "layout": ["aivedio-0-api,callbacks,gateway", "aivedio-1-inbox"],
     "saturation_per_s": 1500.0,
-    "pg_xacts_per_event": 0.8,
+    "pg_write_xacts_per_event": 0.8,
     "cpu_us_per_event_by_process": {
         "aivedio-0-api,callbacks,gateway": 300.0,
         "aivedio-1-inbox": 200.0,
@@ -49,7 +49,7 @@ def test_cores_processes_and_transactions_come_from_the_measured_costs() -> None
     assert result["roles"]["inbox"]["processes"] == 1  # 0.8 cores
     assert result["roles"]["api,callbacks,gateway"]["processes"] == 2  # 1.2 cores
     assert result["postgres_transactions"]["per_s"] == pytest.approx(1600)
-    assert "pg_xacts_per_event" in result["postgres_transactions"]["from"]
+    assert "pg_write_xacts_per_event" in result["postgres_transactions"]["from"]
     assert result["nats"]["messages_per_s"] == 2000 * 4  # one publish, three groups
     assert any("saturation" in w for w in result["warnings"])  # 2,000/s > 1,500/s measured
 
@@ -65,7 +65,7 @@ def test_gateway_nodes_by_memory_and_by_frames_plus_a_spare() -> None:
 
 
 def test_unmeasured_figures_are_unknown_not_guessed() -> None:
-    result = plan(Options(), {**E2E, "pg_xacts_per_event": None})
+    result = plan(Options(), {**E2E, "pg_write_xacts_per_event": None})
     assert result["gateway"]["nodes"] is None
     assert "bench connections" in result["gateway"]["memory_from"]
     assert result["postgres_transactions"]["per_s"] is None

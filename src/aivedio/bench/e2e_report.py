@@ -68,10 +68,10 @@ def _table(system: str, scenario: str, fig: ScenarioFigures, limit_ms: float) ->
             )
     for s in fig.steps:
         notes = []
-        if s.pg_xacts is not None:
+        if s.pg_write_xacts is not None:
             notes.append(
-                f"{s.pg_xacts} PostgreSQL transactions in the step and its drain "
-                f"({s.pg_xacts / max(s.sent, 1):.2f} per webhook)"
+                f"{s.pg_write_xacts} PostgreSQL write transactions in the step and its drain "
+                f"({s.pg_write_xacts / max(s.sent, 1):.2f} per webhook; the whole server's)"
             )
         if s.retried:
             notes.append(
@@ -136,7 +136,7 @@ def _headline(fig: ScenarioFigures | None, rate: float, limit_ms: float) -> dict
         "cpu_us_per_event_by_process": {k: rounded(v, 1) for k, v in cpu.items()},
         "stages_ms": {k: rounded(v["p50"]) for k, v in step.stages.items()},
         "stages_p99_ms": {k: rounded(v["p99"]) for k, v in step.stages.items()},
-        "pg_xacts_per_event": _per_event(step.pg_xacts, step.sent),
+        "pg_write_xacts_per_event": _per_event(step.pg_write_xacts, step.sent),
     }
 
 
@@ -175,7 +175,7 @@ def _steps(fig: ScenarioFigures) -> list[dict[str, Any]]:
             "refused": {str(k): v for k, v in s.refused.items()},
             "lost_where": s.lost_where,
             "polls": s.polls,
-            "pg_xacts_per_event": _per_event(s.pg_xacts, s.sent),
+            "pg_write_xacts_per_event": _per_event(s.pg_write_xacts, s.sent),
         }
         for s in fig.steps
     ]

@@ -85,7 +85,7 @@ class StepFigures:
     untimed: int = 0  # frames without the gateway's timing line (replayed from PostgreSQL)
     cpu_s: dict[str, float] = field(default_factory=dict)
     polls: int = 0  # sandbox queries during the step (the poller)
-    pg_xacts: int | None = None  # transactions of the run's database, the step and its drain
+    pg_write_xacts: int | None = None  # write transactions of the server: the step and its drain
     window_s: float = 0.0  # from the step's start to its CPU snapshot (its last frame)
     ignored: dict[str, int] = field(default_factory=dict)  # webhooks audited, not applied
     refused: dict[int, int] = field(default_factory=dict)  # final answers that were not 204
@@ -180,17 +180,15 @@ async def _drain(target: Target, clients: ClientsProcess, settle_s: float, quiet
 
 
 async def _xacts(target: Target) -> int | None:
-    """Committed and rolled-back transactions of the run's database so far
-    (``pg_stat_database``; each backend reports its own at most once a second while busy, so a
-    reading taken after the drain's quiet second counts the step's)."""
+    """The server's next transaction id: the difference of two readings counts the write
+    transactions (those that got an id) in between, at once and exactly, but of the whole server
+    (other databases' writers too). ``pg_stat_database``'s counters would be the run's database
+    only, but each backend reports them late (at most once a second while busy, 10 s after it
+    went idle), so a step's count there took in its setup's and missed its own last seconds."""
     if target.db is None:
         return None
-    await target.db.execute("SELECT pg_stat_clear_snapshot()")
-    count = await target.db.fetchval(
-        "SELECT xact_commit + xact_rollback FROM pg_stat_database"
-        " WHERE datname = current_database()"
-    )
-    return int(count)
+    value = await target.db.fetchval("SELECT pg_snapshot_xmax(pg_current_snapshot())::text")
+    return int(value)
 
 
 async def _polls(target: Target) -> int:
@@ -233,7 +231,7 @@ async def _step(
     figures.drained_s = time.monotonic() - drain_started
     after_xacts = await _xacts(target)
     if xacts is not None and after_xacts is not None:
-        figures.pg_xacts = after_xacts - xacts
+        figures.pg_write_xacts = after_xacts - xacts
     frames = _merge(frames, await clients.collect())  # late ones still count as arrived
     await _figures(target, step, keys, sent, frames, figures, knobs.points)
     return figures
