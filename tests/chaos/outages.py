@@ -8,13 +8,11 @@ back on the same port, so every client of the process sees its server go away an
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import time
 import uuid
@@ -26,29 +24,19 @@ from typing import Any, Literal
 
 import asyncpg
 import httpx
-import uvicorn
 from prometheus_client import REGISTRY
 
-from aivedio.config import ServicesConfig, Settings
+from aivedio.config import ServicesConfig
 from aivedio.db.migrate import migrate
-from aivedio.demo import sandbox_config
 from aivedio.process.health import LoopState
-from aivedio.roles import AVAILABLE, serve
 from aivedio.runtime import Runtime
-from aivedio.sandbox import create_app as sandbox_app
 from aivedio.services import embedded
 from aivedio.services.embedded import ServiceUrls
 from tests.conftest import with_database
-from tests.waiting import eventually
+from tests.integration.chain import serving_all_roles
 
 Kind = Literal["postgres", "valkey", "nats"]
 DEADLINE_S = 60.0  # only to fail instead of hanging; nothing is asserted about durations
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _alive(pid: int) -> bool:
@@ -178,62 +166,13 @@ async def all_roles(
     servers: PrivateServers, data_dir: Path, **overrides: Any
 ) -> AsyncIterator[Stack]:
     """``serve(rt, every role, port)`` as ``aivedio run --role all`` runs it, in this process,
-    on a fresh database of the private servers, with the sandbox provider calling back."""
-    port, sandbox_port = free_port(), free_port()
-    settings = Settings(
-        database_url=await fresh_database(servers.urls.database_url),
-        redis_url=servers.urls.redis_url,
-        nats_url=servers.urls.nats_url,
-        data_dir=data_dir,
-        sandbox_url=f"http://127.0.0.1:{sandbox_port}",
-        secret_key="s" * 32,
-        db_acquire_timeout_s=1.0,
-        db_command_timeout_s=5.0,
-        gateway_tailcheck_s=1.0,
-        **overrides,
-    ).listening_on(port)
-    urls = ServiceUrls(settings.database_url or "", servers.urls.redis_url, servers.urls.nats_url)
-    provider = uvicorn.Server(
-        uvicorn.Config(
-            sandbox_app(sandbox_config(settings)),
-            host="127.0.0.1",
-            port=sandbox_port,
-            access_log=False,
-            log_config=None,
-        )
+    on a fresh database of the private servers, with the sandbox provider calling back
+    (:func:`tests.integration.chain.serving_all_roles`, with short database timeouts)."""
+    urls = ServiceUrls(
+        await fresh_database(servers.urls.database_url),
+        servers.urls.redis_url,
+        servers.urls.nats_url,
     )
-    provider_job = asyncio.create_task(provider.serve())
-    rt = await Runtime.open(settings, urls)
-    stopping = asyncio.Event()
-    serving = asyncio.create_task(serve(rt, list(AVAILABLE), port, stopping))
-    base = f"http://127.0.0.1:{port}"
-    client = httpx.AsyncClient(base_url=base, timeout=10, trust_env=False)
-    sandbox = httpx.AsyncClient(
-        base_url=settings.sandbox_url,
-        headers={"Authorization": f"Bearer {settings.sandbox_api_key}"},
-        timeout=10,
-        trust_env=False,
-    )
-    stack = Stack(rt, base, client, sandbox)
-    try:
-
-        async def up() -> bool:
-            assert not serving.done(), serving
-            try:
-                ok = (await stack.readyz()).status_code == 200
-                return ok and (await sandbox.get("/healthz")).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        await eventually(up, "the roles and the sandbox to be ready")
-        yield stack
-    finally:
-        stopping.set()
-        try:
-            assert await asyncio.wait_for(serving, DEADLINE_S) == 0
-        finally:
-            await client.aclose()
-            await sandbox.aclose()
-            provider.should_exit = True
-            await asyncio.gather(provider_job, return_exceptions=True)
-            await rt.close()
+    overrides = {"db_acquire_timeout_s": 1.0, "db_command_timeout_s": 5.0, **overrides}
+    async with serving_all_roles(urls, data_dir, **overrides) as s:
+        yield Stack(s.rt, s.base, s.client, s.sandbox)

@@ -170,27 +170,35 @@ class Chain:
         )
 
 
+@dataclass
+class Serving:
+    """Every role of ``aivedio run --role all`` served in this process, and the sandbox."""
+
+    rt: Runtime
+    settings: Settings
+    base: str
+    client: httpx.AsyncClient
+    sandbox: httpx.AsyncClient
+
+
 @asynccontextmanager
-async def running_chain(
-    database_url: str, redis_url: str, nats_url: str, data_dir: Any, **overrides: Any
-) -> AsyncIterator[Chain]:
-    """``serve(rt, every role, port)`` as ``aivedio run --role all`` runs it, in this process."""
+async def serving_all_roles(
+    urls: ServiceUrls, data_dir: Any, **overrides: Any
+) -> AsyncIterator[Serving]:
+    """``serve(rt, every role, port)`` as ``aivedio run --role all`` runs it, in this process, on
+    ``urls`` (the database migrated), with the sandbox provider on a port of its own calling
+    back; yields once the roles are ready and stops them all after (the serve exits 0)."""
     port, sandbox_port = free_port(), free_port()
     settings = Settings(
-        database_url=database_url,
-        redis_url=redis_url,
-        nats_url=nats_url,
+        database_url=urls.database_url,
+        redis_url=urls.redis_url,
+        nats_url=urls.nats_url,
         data_dir=data_dir,
         sandbox_url=f"http://127.0.0.1:{sandbox_port}",
         secret_key="s" * 32,
         gateway_tailcheck_s=1.0,
         **overrides,
     ).listening_on(port)
-    conn = await asyncpg.connect(database_url)
-    try:
-        project = await create_project_in(conn, f"t-{uuid.uuid4().hex[:8]}", "metrics")
-    finally:
-        await conn.close()
     provider = uvicorn.Server(
         uvicorn.Config(
             sandbox_app(sandbox_config(settings)),
@@ -201,7 +209,7 @@ async def running_chain(
         )
     )
     provider_job = asyncio.create_task(provider.serve())
-    rt = await Runtime.open(settings, ServiceUrls(database_url, redis_url, nats_url))
+    rt = await Runtime.open(settings, urls)
     stopping = asyncio.Event()
     serving = asyncio.create_task(serve(rt, list(AVAILABLE), port, stopping))
     base = f"http://127.0.0.1:{port}"
@@ -211,15 +219,6 @@ async def running_chain(
         headers={"Authorization": f"Bearer {settings.sandbox_api_key}"},
         timeout=10,
         trust_env=False,
-    )
-    chain = Chain(
-        rt,
-        settings,
-        base,
-        client,
-        sandbox,
-        str(project["project_id"]),
-        str(project["api_key"]),
     )
     try:
 
@@ -232,7 +231,7 @@ async def running_chain(
                 return False
 
         await eventually(up, "the roles and the sandbox to be ready")
-        yield chain
+        yield Serving(rt, settings, base, client, sandbox)
     finally:
         stopping.set()
         try:
@@ -243,3 +242,26 @@ async def running_chain(
             provider.should_exit = True
             await asyncio.gather(provider_job, return_exceptions=True)
             await rt.close()
+
+
+@asynccontextmanager
+async def running_chain(
+    database_url: str, redis_url: str, nats_url: str, data_dir: Any, **overrides: Any
+) -> AsyncIterator[Chain]:
+    """:func:`serving_all_roles` with a project of its own for the test."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        project = await create_project_in(conn, f"t-{uuid.uuid4().hex[:8]}", "metrics")
+    finally:
+        await conn.close()
+    urls = ServiceUrls(database_url, redis_url, nats_url)
+    async with serving_all_roles(urls, data_dir, **overrides) as s:
+        yield Chain(
+            s.rt,
+            s.settings,
+            s.base,
+            s.client,
+            s.sandbox,
+            str(project["project_id"]),
+            str(project["api_key"]),
+        )
