@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 import asyncpg
 
 from aivedio.config import Settings
+from aivedio.db.handoff import Handoff
 from aivedio.db.migrate import migrations
 from aivedio.db.pool import Database
 from aivedio.db.wakeup import Signal
@@ -47,6 +48,9 @@ class Wakeups:
 
     inbox: Signal = field(default_factory=Signal)
     """Fired by the callbacks' group commit after it stored new callbacks."""
+    inbox_rows: Handoff = field(default_factory=Handoff)
+    """The callbacks' group commit hands its new rows, leased, to the inbox processor of the
+    process, when there is one (aivedio.db.handoff)."""
     outbox: Signal = field(default_factory=Signal)
     """Fired after a commit that wrote outbox rows (the inbox processor's batches)."""
 

@@ -25,6 +25,7 @@ import pytest
 import standardwebhooks
 from starlette.applications import Starlette
 
+from aivedio.db.handoff import Handoff
 from aivedio.db.pool import Database
 from aivedio.domain.observation import Observation
 from aivedio.ingest.gateway import CallbackConfig, callback_routes
@@ -822,3 +823,128 @@ async def test_end_to_end_with_the_real_sandbox_provider(env: Env) -> None:
             "SELECT process_status, count(*) FROM provider_callback_inbox GROUP BY 1"
         )
     assert {r["process_status"] for r in statuses} == {"processed"}
+
+
+# --- handed over in memory (aivedio.db.handoff) ----------------------------------------------
+
+
+@pytest.fixture
+async def handed(env: Env) -> AsyncIterator[tuple[Env, Handoff]]:
+    """The env with its callbacks stored by a group commit that hands them to a processor of
+    the same process, as ``aivedio run --role all`` wires them."""
+    handoff = Handoff()
+    writer = InboxWriter(env.db, handoff=handoff)
+    writer.start()
+    app = Starlette(
+        routes=callback_routes(CallbackConfig(), callback_providers(env.adapters), writer)
+    )
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as client:
+            yield replace(env, client=client), handoff
+    finally:
+        await writer.close()
+
+
+def handed_processor(env: Env, handoff: Handoff, seen: list[int]) -> InboxProcessor:
+    return InboxProcessor(env.db, CountingState(env.db, seen), env.adapters, FAST, handoff=handoff)
+
+
+async def test_handed_rows_are_stored_leased_and_applied_without_a_claim(
+    handed: tuple[Env, Handoff],
+) -> None:
+    env, handoff = handed
+    task_id, _, _ = await env.task(provider_task_id="gen_h")
+    token = handoff.attach(FAST.lease_s)
+    assert (await env.post_sandbox(generation("gen_h", "running", 2))).status_code == 204
+    (row,) = await env.inbox()
+    assert row["lease_token"] == token and row["process_status"] == "pending"
+    assert len(handoff) == 1
+    assert await drain(env.processor()) == 0  # leased: no other processor can claim it
+    seen: list[int] = []
+    assert await handed_processor(env, handoff, seen).process_once() == 1
+    assert seen == [row["id"]] and len(handoff) == 0
+    assert await env.status(task_id) == "running"
+    (row,) = await env.inbox()
+    assert row["process_status"] == "processed" and row["lease_token"] is None
+
+
+async def test_a_handoff_that_is_behind_sends_new_rows_to_the_table(
+    handed: tuple[Env, Handoff],
+) -> None:
+    env, handoff = handed
+    handoff.max_rows = 1
+    first, _, _ = await env.task(provider_task_id="gen_b1")
+    second, _, _ = await env.task(provider_task_id="gen_b2")
+    handoff.attach(FAST.lease_s)
+    await env.post_sandbox(generation("gen_b1", "running", 2))
+    await env.post_sandbox(generation("gen_b2", "running", 2))
+    leased, unleased = await env.inbox()
+    assert leased["lease_token"] is not None and unleased["lease_token"] is None
+    assert await drain(env.processor()) == 1  # the unleased one, by an ordinary claim
+    assert await env.status(second) == "running" and await env.status(first) == "created"
+
+
+async def test_rows_of_a_detached_processor_stay_in_the_table(
+    handed: tuple[Env, Handoff],
+) -> None:
+    env, handoff = handed
+    task_id, _, _ = await env.task(provider_task_id="gen_d")
+    await env.post_sandbox(generation("gen_d", "queued", 1))  # no processor attached
+    (row,) = await env.inbox()
+    assert row["lease_token"] is None and len(handoff) == 0
+    assert await drain(env.processor()) == 1
+    assert await env.status(task_id) == "provider_queued"
+
+
+async def test_a_stopping_processor_gives_back_the_leases_of_rows_it_never_took(
+    handed: tuple[Env, Handoff],
+) -> None:
+    env, handoff = handed
+    task_id, _, _ = await env.task(provider_task_id="gen_g")
+    seen: list[int] = []
+    processor = handed_processor(env, handoff, seen)
+    handoff.attach(FAST.lease_s)  # what run() does when it starts
+    await env.post_sandbox(generation("gen_g", "running", 2))
+    assert len(handoff) == 1
+    await processor._give_back()  # what run() does when it stops
+    (row,) = await env.inbox()
+    assert row["lease_token"] is None and row["lease_until"] is None and seen == []
+    assert await drain(env.processor()) == 1  # claimable at once, not after the lease
+    assert await env.status(task_id) == "running"
+
+
+async def test_a_handed_row_taken_over_after_its_lease_ran_out_is_applied_once(
+    handed: tuple[Env, Handoff],
+) -> None:
+    env, handoff = handed
+    task_id, _, _ = await env.task(provider_task_id="gen_o")
+    handoff.attach(FAST.lease_s)
+    await env.post_sandbox(generation("gen_o", "running", 2))
+    async with env.db.connection() as conn:  # the processor stalled past its lease
+        await conn.execute(
+            "UPDATE provider_callback_inbox SET lease_until = now() - interval '1 s'"
+        )
+    seen: list[int] = []
+    assert await drain(env.processor(state=CountingState(env.db, seen))) == 1
+    late = handed_processor(env, handoff, seen)
+    assert await late.process_once() == 1  # it takes the row from memory, then its take fails
+    (row,) = await env.inbox()
+    assert seen == [row["id"]]  # applied once, by the processor that took it over
+    assert await env.status(task_id) == "running"
+
+
+async def test_a_processor_with_handed_rows_still_claims_the_table(
+    handed: tuple[Env, Handoff],
+) -> None:
+    env, handoff = handed
+    table_task, _, _ = await env.task(provider_task_id="gen_t1")
+    handed_task, _, _ = await env.task(provider_task_id="gen_t2")
+    await env.post_sandbox(generation("gen_t1", "running", 2))  # stored before any processor
+    handoff.attach(FAST.lease_s)
+    await env.post_sandbox(generation("gen_t2", "running", 2))
+    seen: list[int] = []
+    assert await handed_processor(env, handoff, seen).process_once() == 2
+    assert await env.status(table_task) == "running"
+    assert await env.status(handed_task) == "running"

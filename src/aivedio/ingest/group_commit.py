@@ -38,6 +38,7 @@ import contextlib
 import logging
 import re
 import time
+import uuid
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -49,6 +50,7 @@ import asyncpg
 import orjson
 from prometheus_client import Gauge, Histogram
 
+from aivedio.db.handoff import HandedRow, Handoff
 from aivedio.db.pool import UNAVAILABLE_ERRORS, Database
 from aivedio.errors import AivedioError, DatabaseUnavailable
 from aivedio.logs import log
@@ -174,11 +176,14 @@ _COLUMNS = (
     ("payload_authenticated", "(r->>13)::boolean"),
 )
 
+# $2 and $3: the lease of a handoff (aivedio.db.handoff), both NULL without one: the rows are
+# stored already claimed by the inbox processor of this process, which takes them from memory.
 INSERT_BATCH = """
-INSERT INTO provider_callback_inbox ({names})
-SELECT {selected} FROM jsonb_array_elements($1::text::jsonb) AS r
+INSERT INTO provider_callback_inbox ({names}, lease_token, lease_until)
+SELECT {selected}, $2::uuid, now() + make_interval(secs => $3::float8)
+FROM jsonb_array_elements($1::text::jsonb) AS r
 ON CONFLICT (provider, dedup_key) DO NOTHING
-RETURNING provider, dedup_key
+RETURNING id, provider, dedup_key
 """.format(
     names=", ".join(name for name, _ in _COLUMNS),
     selected=", ".join(expression for _, expression in _COLUMNS),
@@ -188,6 +193,32 @@ EXPIRE_PAYLOADS = """
 UPDATE provider_callback_inbox SET payload = NULL
 WHERE process_status = 'processed' AND payload IS NOT NULL AND processed_at < $1
 """
+
+
+def _utc(at: datetime | None) -> datetime | None:
+    """As PostgreSQL gives a timestamptz back: aware (a naive one is UTC, as the batch sent it)."""
+    return at.replace(tzinfo=UTC) if at is not None and at.tzinfo is None else at
+
+
+def handed_row(row: InboxRow, inbox_id: int) -> HandedRow:
+    """A stored row as the inbox processor's claim would have returned it (``inbox_claim``)."""
+    return {
+        "id": inbox_id,
+        "provider": row.provider,
+        "dedup_key": row.dedup_key,
+        "provider_event_id": row.provider_event_id,
+        "provider_task_id": row.provider_task_id,
+        "client_request_id": row.client_request_id,
+        "provider_occurred_at": _utc(row.provider_occurred_at),
+        "received_at": _utc(row.received_at),
+        "payload": None if row.payload_json is None else orjson.loads(row.payload_json),
+        "process_status": "pending",
+        "retry_count": 0,
+        "event_type": row.event_type,
+        "attempt_id": row.attempt_id,
+        "payload_authenticated": row.payload_authenticated,
+        "trace_id": row.trace_id,
+    }
 
 
 def _batch_json(rows: list[InboxRow]) -> str:
@@ -291,11 +322,15 @@ class InboxWriter:
         config: GroupCommitConfig | None = None,
         *,
         on_stored: Callable[[], None] | None = None,
+        handoff: Handoff | None = None,
     ) -> None:
         self.db = db
         self.config = config or GroupCommitConfig()
         self._on_stored = on_stored
         """Called after a batch committed new rows (wakes the inbox processor of this process)."""
+        self._handoff = handoff
+        """Where new rows go, stored already leased, while an inbox processor of this process
+        takes them from memory (aivedio.db.handoff); without one the processors claim them."""
         self._queue: deque[_Waiter] = deque()
         self._wakeup = asyncio.Event()
         self._full = asyncio.Event()
@@ -442,9 +477,10 @@ class InboxWriter:
                 first[key] = waiter
         unique = [first[key] for key in sorted(first)]
         BATCH_SIZE.observe(len(unique))
+        lease = self._handoff.lease() if self._handoff is not None else None
         started = time.perf_counter()
         try:
-            inserted = await held.insert([w.row for w in unique])
+            inserted = await held.insert([w.row for w in unique], lease)
         except DatabaseUnavailable as exc:
             log(logger, logging.WARNING, "inbox batch: database unavailable", rows=len(batch))
             for waiter in batch:
@@ -456,6 +492,12 @@ class InboxWriter:
             return
         finally:
             INSERT_SECONDS.observe(time.perf_counter() - started)
+        if inserted and lease is not None:
+            assert self._handoff is not None
+            self._handoff.put(
+                lease[0],
+                [handed_row(first[key].row, inbox_id) for key, inbox_id in inserted.items()],
+            )
         if inserted and self._on_stored is not None:
             self._on_stored()
         committed = time.time()
@@ -513,25 +555,31 @@ class _Held:
         self.db = db
         self.conn: asyncpg.Connection | None = None
 
-    async def insert(self, rows: list[InboxRow]) -> set[tuple[str, str]]:
-        """``INSERT_BATCH`` of ``rows``, committed on return; the keys it inserted.
+    async def insert(
+        self, rows: list[InboxRow], lease: tuple[uuid.UUID, float] | None = None
+    ) -> dict[tuple[str, str], int]:
+        """``INSERT_BATCH`` of ``rows`` (leased ``(token, seconds)`` when given), committed on
+        return; the keys it inserted and their row ids.
 
         A connection that fails is given back (the pool replaces it). When it was a held one
         (its session may have ended while it waited: a server restart, a terminated backend),
         the batch is tried once more on a new connection: ``ON CONFLICT DO NOTHING`` makes
         the second try safe whether or not the first committed."""
         batch = _batch_json(rows)
+        token, lease_s = lease if lease is not None else (None, None)
         reused = self.conn is not None and _alive(self.conn)
         try:
-            return await self._fetch(batch)
+            return await self._fetch(batch, token, lease_s)
         except DatabaseUnavailable as exc:
             if not reused:
                 raise
             log(logger, logging.WARNING, "inbox connection lost; once more on a new one",
                 error=str(exc))  # fmt: skip
-        return await self._fetch(batch)
+        return await self._fetch(batch, token, lease_s)
 
-    async def _fetch(self, batch: str) -> set[tuple[str, str]]:
+    async def _fetch(
+        self, batch: str, token: uuid.UUID | None, lease_s: float | None
+    ) -> dict[tuple[str, str], int]:
         conn = self.conn
         if conn is not None and not _alive(conn):
             await self.release()
@@ -539,7 +587,7 @@ class _Held:
         if conn is None:
             conn = self.conn = await self.db.acquire()
         try:
-            records = await conn.fetch(INSERT_BATCH, batch)
+            records = await conn.fetch(INSERT_BATCH, batch, token, lease_s)
         except asyncpg.PostgresError as exc:
             if isinstance(exc, UNAVAILABLE_ERRORS):  # e.g. terminated by an administrator
                 await self.discard()
@@ -551,7 +599,7 @@ class _Held:
         except BaseException:  # cancelled mid-statement: the session's state is unknown
             await self.release()
             raise
-        return {(r["provider"], r["dedup_key"]) for r in records}
+        return {(r["provider"], r["dedup_key"]): r["id"] for r in records}
 
     async def release(self) -> None:
         conn, self.conn = self.conn, None

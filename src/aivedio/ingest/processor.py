@@ -7,6 +7,12 @@ Claim with a lease
     processors run side by side: SKIP LOCKED gives them disjoint rows, and the lease keeps a
     claimed row away from the others while it is worked on (a crashed processor's rows become
     due again when the lease passes).
+Handed over, no claim
+    In a process that also runs the callbacks role, the group commit stores new callbacks
+    already leased to this processor and hands them over in memory (:mod:`aivedio.db.handoff`):
+    they skip the claim's statement and its row update. The processor takes handed rows first and
+    still claims from the table at least every ``poll_s`` (retries, orphans, other processes'
+    rows), and gives back the leases of rows it never took when it stops.
 One transaction per claim
     Each row is first prepared outside any transaction: normalized, mapped to its attempt (and
     the attempt's project: one statement for the whole claim, ``attempts_for_callbacks``),
@@ -53,7 +59,7 @@ import random
 import re
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -61,6 +67,7 @@ from typing import Any
 import asyncpg
 from prometheus_client import Counter, Histogram
 
+from aivedio.db.handoff import HandedRow, Handoff
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.db.wakeup import IdleListener, wait_any
@@ -94,6 +101,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger("aivedio.ingest.processor")
+
+InboxRecord = asyncpg.Record | HandedRow
+"""A row to process: as ``inbox_claim`` returned it, or as the group commit handed it over."""
 
 NOTIFY_CHANNEL = "aivedio_inbox"
 IDLE_LOCK = 0x494E4258  # "INBX"; the same number is in migration 0009's trigger
@@ -180,7 +190,7 @@ class _Attempt:
 class _Normalized:
     """A claimed row as its adapter read it, not mapped yet."""
 
-    row: asyncpg.Record
+    row: InboxRecord
     adapter: ProviderAdapter
     fields: InboxFields
     claimed: JobState
@@ -261,7 +271,7 @@ class _Attempts:
 class _Ready:
     """A claimed row, prepared outside any transaction: what to apply, and where."""
 
-    row: asyncpg.Record
+    row: InboxRecord
     adapter: ProviderAdapter
     attempt: _Attempt
     state: JobState
@@ -296,7 +306,7 @@ def _snake(name: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
-def _fields(row: asyncpg.Record) -> InboxFields:
+def _fields(row: InboxRecord) -> InboxFields:
     return InboxFields(
         provider=row["provider"],
         dedup_key=row["dedup_key"],
@@ -322,8 +332,12 @@ class InboxProcessor:
         config: InboxConfig | None = None,
         *,
         on_applied: Callable[[], None] | None = None,
+        handoff: Handoff | None = None,
     ) -> None:
         self.db = db
+        self._handoff = handoff
+        """Rows this process's group commit stored leased to this processor (module doc)."""
+        self._claim_due = 0.0  # monotonic time of the next claim from the table while handed to
         self._on_applied = on_applied
         """Called after a commit that wrote events (wakes the outbox relay of this process)."""
         self.state = state
@@ -343,6 +357,8 @@ class InboxProcessor:
     async def run(self, stopping: asyncio.Event) -> None:
         """Process until ``stopping`` is set: claim again at once after a claim that found rows,
         sleep until woken after an empty one. A database outage pauses, never ends, the loop."""
+        if self._handoff is not None:
+            self._handoff.attach(self.config.lease_s)
         try:
             while not stopping.is_set():
                 try:
@@ -358,10 +374,36 @@ class InboxProcessor:
                     continue
                 await self.idle.sleep(stopping)
         finally:
+            await self._give_back()
             await self.idle.close()
 
+    async def _give_back(self) -> None:
+        """Stopping: the leases of handed rows never taken end now, not when they run out."""
+        if self._handoff is None:
+            return
+        token, rows = self._handoff.detach()
+        if token is None or not rows:
+            return
+        with contextlib.suppress(DatabaseUnavailable):  # then they run out
+            async with self.db.connection() as conn:
+                await conn.execute(q("inbox_release"), [row["id"] for row in rows], token)
+
     async def process_once(self) -> int:
-        """Claim one batch and process every row of it; return how many rows were claimed."""
+        """Process the rows handed over, if any, else (or when a claim is due anyway) claim one
+        batch from the table and process it; return how many rows were processed."""
+        handoff = self._handoff
+        if handoff is not None and len(handoff):
+            token, handed = handoff.take(self.config.batch_size)
+            if token is not None and handed:
+                await self._process_rows(handed, token)
+            if time.monotonic() < self._claim_due:
+                return len(handed)
+            self._claim_due = time.monotonic() + self.config.poll_s
+            return len(handed) + await self._claim_once()
+        return await self._claim_once()
+
+    async def _claim_once(self) -> int:
+        """Claim one batch from the table and process every row of it; how many were claimed."""
         token = uuid.uuid4()
         async with self.db.connection() as conn:
             rows = await conn.fetch(
@@ -372,7 +414,7 @@ class InboxProcessor:
         await self._process_rows(rows, token)
         return len(rows)
 
-    async def _process_rows(self, rows: list[asyncpg.Record], token: uuid.UUID) -> None:
+    async def _process_rows(self, rows: Sequence[InboxRecord], token: uuid.UUID) -> None:
         """Normalize every row, map them all with one query, re-fetch where needed, then apply
         the ready ones in one transaction."""
         normalized = [n for n in [await self._normalize(row, token) for row in rows] if n]
@@ -397,7 +439,7 @@ class InboxProcessor:
 
     # -- one row ---------------------------------------------------------------------------
 
-    async def _process(self, row: asyncpg.Record, token: uuid.UUID) -> None:
+    async def _process(self, row: InboxRecord, token: uuid.UUID) -> None:
         """One row on its own: prepare it, then apply it in a transaction of its own."""
         item = await self._normalize(row, token)
         if item is None:
@@ -411,7 +453,7 @@ class InboxProcessor:
         if ready is not None:
             await self._apply_one(ready, token)
 
-    async def _normalize(self, row: asyncpg.Record, token: uuid.UUID) -> _Normalized | None:
+    async def _normalize(self, row: InboxRecord, token: uuid.UUID) -> _Normalized | None:
         """The adapter's reading of a stored callback; None when the row was deferred."""
         started = time.perf_counter()
         provider = row["provider"]
@@ -615,7 +657,7 @@ class InboxProcessor:
         )
 
     @staticmethod
-    def _failed(row: asyncpg.Record, exc: Exception) -> None:
+    def _failed(row: InboxRecord, exc: Exception) -> None:
         log(
             logger,
             logging.ERROR,
@@ -626,7 +668,7 @@ class InboxProcessor:
             trace_id=row["trace_id"],
         )
 
-    async def _defer(self, row: asyncpg.Record, token: uuid.UUID, defer: _Defer) -> None:
+    async def _defer(self, row: InboxRecord, token: uuid.UUID, defer: _Defer) -> None:
         cfg = self.config
         tries = row["retry_count"] + 1
         if defer.kind == "orphan":
@@ -728,6 +770,7 @@ async def inbox_role(rt: Runtime) -> RoleParts:
         adapters,
         InboxConfig(lease_s=rt.settings.inbox_lease_s),
         on_applied=rt.wakeups.outbox.fire,
+        handoff=rt.wakeups.inbox_rows,
     )
 
     async def loop(stopping: asyncio.Event) -> None:

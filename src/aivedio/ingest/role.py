@@ -15,6 +15,7 @@ async def callbacks_role(rt: Runtime) -> RoleParts:
         rt.db,
         GroupCommitConfig(max_inflight=rt.settings.callback_max_inflight),
         on_stored=rt.wakeups.inbox.fire,
+        handoff=rt.wakeups.inbox_rows,
     )
     writer.start()
 

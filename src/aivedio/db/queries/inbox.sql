@@ -55,6 +55,14 @@ FROM mine
 WHERE i.id = mine.id
 RETURNING i.id
 
+-- name: inbox_release
+-- A stopping processor gives back the leases of the rows handed to it in memory that it never
+-- took (aivedio.db.handoff): claimable at once rather than when the lease runs out. Fenced by
+-- the token. $1 ids  $2 lease token
+UPDATE provider_callback_inbox SET lease_until = NULL, lease_token = NULL
+WHERE id = ANY($1::bigint[]) AND lease_token = $2
+  AND process_status IN ('pending', 'retry', 'orphan')
+
 -- name: inbox_defer
 -- Not processed this time: orphan (unmappable) or retry (parse / refetch failure) after a
 -- backoff, or dead once it has been tried $4 times. Fenced by the lease token.
