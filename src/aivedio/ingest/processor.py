@@ -10,9 +10,10 @@ Claim with a lease
 Handed over, no claim
     In a process that also runs the callbacks role, the group commit stores new callbacks
     already leased to this processor and hands them over in memory (:mod:`aivedio.db.handoff`):
-    they skip the claim's statement and its row update. The processor takes handed rows first and
-    still claims from the table at least every ``poll_s`` (retries, orphans, other processes'
-    rows), and gives back the leases of rows it never took when it stops.
+    they skip the claim's statement and its row update. The processor alternates a handed batch
+    and a claim while the table has due rows (those stored while it was behind, retries, orphans,
+    other processes' rows), looks at the table at least every ``poll_s`` otherwise, and gives back
+    the leases of rows it never took when it stops.
 One transaction per claim
     Each row is first prepared outside any transaction: normalized, mapped to its attempt (and
     the attempt's project: one statement for the whole claim, ``attempts_for_callbacks``),
@@ -392,15 +393,19 @@ class InboxProcessor:
         """Process the rows handed over, if any, else (or when a claim is due anyway) claim one
         batch from the table and process it; return how many rows were processed."""
         handoff = self._handoff
+        handed: list[HandedRow] = []
         if handoff is not None and len(handoff):
             token, handed = handoff.take(self.config.batch_size)
             if token is not None and handed:
                 await self._process_rows(handed, token)
             if time.monotonic() < self._claim_due:
                 return len(handed)
-            self._claim_due = time.monotonic() + self.config.poll_s
-            return len(handed) + await self._claim_once()
-        return await self._claim_once()
+        claimed = await self._claim_once()
+        # A claim that found rows is followed by another at once, a batch handed over and a batch
+        # claimed in turn (rows go to the table when this processor is behind: they must not wait
+        # behind the handed ones); after an empty one the table is looked at again in poll_s.
+        self._claim_due = 0.0 if claimed else time.monotonic() + self.config.poll_s
+        return len(handed) + claimed
 
     async def _claim_once(self) -> int:
         """Claim one batch from the table and process every row of it; how many were claimed."""
