@@ -235,7 +235,8 @@ def _cmd_bus(args: argparse.Namespace, settings: Settings) -> int:
     from aivedio.propagation.dead_letters import dead_letters_command, replay_command
     from aivedio.runtime import resolve_urls
 
-    config = BusConfig.from_settings(settings, resolve_urls(settings).nats_url)
+    urls = resolve_urls(settings)
+    config = BusConfig.from_settings(settings, urls.nats_url, urls.redis_url)
     if args.bus_command == "dead-letters":
         code: int = asyncio.run(dead_letters_command(config, args.group, args.limit))
     else:

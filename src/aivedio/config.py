@@ -141,6 +141,9 @@ class Settings(BaseSettings):
     ws_allowed_origins: str = ""  # comma-separated; empty: only the request's own origin
     # The bus: a NATS URL may list several servers, comma-separated (a NATS cluster); streams
     # are created with this many replicas (3 on a three-node JetStream cluster).
+    # Which bus adapter: NATS JetStream (AIVEDIO_NATS_URL) or Redis Streams on the Redis /
+    # Valkey of AIVEDIO_REDIS_URL (docs/reference/configuration.md).
+    bus: Literal["jetstream", "redis-streams"] = "jetstream"
     bus_replicas: int = Field(default=1, ge=1, le=5)
     # The JetStream stream and the subject prefix (deployments sharing one NATS keep apart by
     # these; the tests give each session its own).

@@ -19,7 +19,8 @@ import pytest
 
 from aivedio.bus import Bus, BusConfig, BusError, BusUnavailable, OutgoingMessage, PublishAck
 from aivedio.bus.jetstream import JetStreamBus
-from aivedio.bus.jetstream_pipeline import PullFetcher, _header_lines, status_of
+from aivedio.bus.jetstream_pipeline import PullFetcher, status_of
+from aivedio.bus.nats_internals import _header_lines, internals_enabled, public_api_only
 from tests.contract.bus_contract import BusContract, BusFactory, contract_config
 from tests.waiting import eventually
 
@@ -56,6 +57,30 @@ class TestJetStreamBus(BusContract):
     @pytest.fixture
     def bus_factory(self, jetstream_factory: tuple[BusConfig, BusFactory]) -> BusFactory:
         return jetstream_factory[1]
+
+
+class TestJetStreamBusPublicApiOnly(BusContract):
+    """The same contract with every nats-py internal switched off (raw writer, header parser
+    and the raw router): the path a nats-py without them takes."""
+
+    @pytest.fixture
+    def bus_factory(self, jetstream_factory: tuple[BusConfig, BusFactory]) -> Iterator[BusFactory]:
+        with public_api_only():
+            yield jetstream_factory[1]
+
+    async def test_internals_are_off(self, bus: Bus) -> None:
+        assert not internals_enabled()
+        assert isinstance(bus, JetStreamBus)
+        nc = bus._nc
+        assert not bus._raw.supported
+        assert not hasattr(nc, "_aivedio_router")
+        assert "_parse_header_lines" not in vars(nc)
+        consumer = await bus.subscribe("task.status", "g1")
+        await bus.publish("task.status", "task-1", "off-1", b"x", {"trace-id": "t"})
+        [d] = await consumer.fetch(batch=1, timeout=5.0)
+        assert dict(d.headers) == {"trace-id": "t"}
+        await d.ack()
+        assert not hasattr(nc, "_aivedio_router")
 
 
 class TestJetStreamBusThroughClientPublish(BusContract):

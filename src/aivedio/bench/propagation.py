@@ -123,7 +123,8 @@ async def _run(settings: Settings, opts: Options) -> int:
     urls = resolve_urls(settings)
     tag = uuid.uuid4().hex[:10]
     bus_cfg = BusConfig(
-        url=urls.nats_url,
+        url=urls.redis_url if settings.bus == "redis-streams" else urls.nats_url,
+        adapter=settings.bus,
         stream=f"BENCH_{tag}",
         subject_prefix=f"bench{tag}",
         max_in_flight=opts.in_flight,
@@ -258,12 +259,12 @@ def _child(spec: ChildSpec, ready: Any, go: Any, stop: Any, cpu: Any) -> None:
 
 
 async def _child_main(spec: ChildSpec, ready: Any, go: Any, stop: Any, cpu: Any) -> None:
-    from aivedio.bus.jetstream import JetStreamBus
+    from aivedio.bus.connect import connect
 
     db = await Database.connect(
         DatabaseConfig(url=spec.database_url, min_size=1, max_size=spec.relays + 2)
     )
-    bus = await JetStreamBus.connect(spec.bus)
+    bus = await connect(spec.bus)
     client = redis_client(spec.redis_url)
     stopping = asyncio.Event()
     relay_cfg = RelayConfig(batch_size=spec.batch, stats_interval_s=3600)
@@ -719,6 +720,15 @@ async def _steady(
 
 
 async def _delete_streams(cfg: BusConfig) -> None:
+    if cfg.adapter == "redis-streams":
+        client = redis_client(cfg.url)
+        try:
+            keys = [k async for k in client.scan_iter(match=f"{cfg.subject_prefix}:*", count=500)]
+            if keys:
+                await client.delete(*keys)
+        finally:
+            await client.aclose()
+        return
     import nats
     import nats.js.errors
 

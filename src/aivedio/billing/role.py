@@ -19,7 +19,8 @@ async def billing_role(
 
     async def consume(stopping: asyncio.Event) -> None:
         bus = await connect_bus(
-            bus_config or BusConfig.from_settings(rt.settings, rt.urls.nats_url), stopping
+            bus_config or BusConfig.from_settings(rt.settings, rt.urls.nats_url, rt.urls.redis_url),
+            stopping,
         )
         if bus is None:
             return

@@ -35,13 +35,11 @@ from aivedio.bus.jetstream_pipeline import (
     AckBatch,
     AckPipeline,
     Edge,
-    Pulled,
     PullFetcher,
-    RawWriter,
-    fast_headers,
     num_delivered,
 )
 from aivedio.bus.metrics import DEAD_LETTERS, REDELIVERIES, reason_class
+from aivedio.bus.nats_internals import Pulled, RawWriter, fast_headers, probe
 from aivedio.bus.port import (
     Bus,
     BusClosed,
@@ -115,6 +113,7 @@ class JetStreamBus:
         ``BusUnavailable`` meanwhile. The first connection is bounded by
         ``connect_timeout_s`` per attempt and 3 attempts.
         """
+        probe()  # nats-py internals there, or a logged fall back to its public API
         nc = NatsClient()
 
         async def on_error(exc: Exception) -> None:
@@ -473,7 +472,7 @@ class JetStreamDelivery:
         msg = self._msg.msg()
         with self._consumer._bus._edge("nak"):
             await msg.nak(delay=delay_s if delay_s > 0 else None)
-        self._msg.acked = msg._ackd
+        self._msg.acked = msg.is_acked
 
     async def in_progress(self) -> None:
         self._check()
@@ -484,7 +483,7 @@ class JetStreamDelivery:
         self._check()
         msg = self._msg.msg()
         await self._consumer._bus._dead_letter(msg, self._consumer.group, self.topic, reason)
-        self._msg.acked = msg._ackd
+        self._msg.acked = msg.is_acked
 
 
 class JetStreamConsumer:

@@ -62,7 +62,8 @@ class BusClosed(BusError):
 class BusConfig:
     """What every adapter needs. Adapter-only knobs are ignored by adapters they do not fit."""
 
-    url: str = "nats://127.0.0.1:4222"
+    url: str = "nats://127.0.0.1:4222"  # or redis:// for the Redis Streams adapter
+    adapter: Literal["jetstream", "redis-streams"] = "jetstream"
     stream: str = "AIVEDIO"  # JetStream stream / Kafka cluster-level namespace
     subject_prefix: str = "aivedio"  # every topic lives under this prefix
     duplicate_window_s: float = 120.0  # publish dedup by dedup_id inside this window
@@ -80,10 +81,20 @@ class BusConfig:
     replicas: int = 1
 
     @classmethod
-    def from_settings(cls, settings: Settings, nats_url: str) -> BusConfig:
-        """The bus config from the process settings (the NATS URL as resolved)."""
+    def from_settings(
+        cls, settings: Settings, nats_url: str, redis_url: str | None = None
+    ) -> BusConfig:
+        """The bus config from the process settings (the URLs as resolved): ``AIVEDIO_BUS``
+        picks JetStream on ``nats_url`` or Redis Streams on ``redis_url``."""
+        if settings.bus == "redis-streams":
+            if not redis_url:
+                raise ValueError("AIVEDIO_BUS=redis-streams needs a Redis URL")
+            url = redis_url
+        else:
+            url = nats_url
         return cls(
-            url=nats_url,
+            url=url,
+            adapter=settings.bus,
             replicas=settings.bus_replicas,
             stream=settings.bus_stream,
             subject_prefix=settings.bus_subject_prefix,
@@ -179,7 +190,8 @@ class Consumer(Protocol):
 
 @runtime_checkable
 class Bus(Protocol):
-    """The message bus. Create through the adapter (``await JetStreamBus.connect(cfg)``)."""
+    """The message bus. Create with ``await aivedio.bus.connect.connect(cfg)`` (or an adapter's own
+    ``connect``)."""
 
     async def publish(
         self,

@@ -33,7 +33,8 @@ async def media_role(
 
     async def consume(stopping: asyncio.Event) -> None:
         bus = await connect_bus(
-            bus_config or BusConfig.from_settings(rt.settings, rt.urls.nats_url), stopping
+            bus_config or BusConfig.from_settings(rt.settings, rt.urls.nats_url, rt.urls.redis_url),
+            stopping,
         )
         if bus is None:
             return

@@ -11,6 +11,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from aivedio.bus import Bus, BusConfig, BusError, DeadLetter
+from aivedio.bus.connect import connect
 
 __all__ = [
     "dead_letters_command",
@@ -59,9 +60,7 @@ async def replay_dead_letter(bus: Bus, group: str, dead_letter_id: str) -> dict[
 
 
 async def _connect(config: BusConfig) -> Bus:
-    from aivedio.bus.jetstream import JetStreamBus
-
-    return await JetStreamBus.connect(config)
+    return await connect(config)
 
 
 async def dead_letters_command(config: BusConfig, group: str, limit: int = 100) -> int:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from aivedio.bus import Bus, BusConfig, BusUnavailable
+from aivedio.bus.connect import connect
 from aivedio.logs import log
 from aivedio.process import health
 from aivedio.process.parts import RoleLoop, RoleParts
@@ -37,13 +38,11 @@ logger = logging.getLogger("aivedio.propagation")
 
 
 async def connect_bus(config: BusConfig, stopping: asyncio.Event) -> Bus | None:
-    """Connect to the JetStream bus, retrying with backoff; ``None`` once ``stopping`` is set."""
-    from aivedio.bus.jetstream import JetStreamBus
-
+    """Connect to the configured bus, retrying with backoff; ``None`` once ``stopping`` is set."""
     delay = 0.5
     while not stopping.is_set():
         try:
-            bus = await JetStreamBus.connect(config)
+            bus = await connect(config)
         except BusUnavailable as exc:
             log(logger, logging.WARNING, "bus unavailable, retrying", error=str(exc), in_s=delay)
             health.outage("bus", exc)
@@ -65,7 +64,9 @@ async def relay_role(
     replicas: int = 1,
 ) -> RoleParts:
     """``replicas`` relay loops in this process (each one claims its own batches)."""
-    bus_cfg = bus_config or BusConfig.from_settings(rt.settings, rt.urls.nats_url)
+    bus_cfg = bus_config or BusConfig.from_settings(
+        rt.settings, rt.urls.nats_url, rt.urls.redis_url
+    )
 
     async def loop(stopping: asyncio.Event) -> None:
         bus = await connect_bus(bus_cfg, stopping)
@@ -98,7 +99,9 @@ async def dispatcher_role(
     router: RouterFactory | None = None,
 ) -> RoleParts:
     """The ``dispatcher`` role: broadcast fan-out, or the routes ``router`` makes (node mode)."""
-    bus_cfg = bus_config or BusConfig.from_settings(rt.settings, rt.urls.nats_url)
+    bus_cfg = bus_config or BusConfig.from_settings(
+        rt.settings, rt.urls.nats_url, rt.urls.redis_url
+    )
     cfg = config or DispatcherConfig(max_deliver=bus_cfg.max_deliver)
 
     async def loop(stopping: asyncio.Event) -> None:

@@ -244,7 +244,7 @@ async def node_dispatcher_role(
     router_config: RouterConfig | None = None,
 ) -> RoleParts:
     """The ``dispatcher`` role with node-directed fan-out (``AIVEDIO_FANOUT=node``)."""
-    bus_cfg = BusConfig.from_settings(rt.settings, rt.urls.nats_url)
+    bus_cfg = BusConfig.from_settings(rt.settings, rt.urls.nats_url, rt.urls.redis_url)
     cfg = config or DispatcherConfig(max_deliver=bus_cfg.max_deliver)
     rcfg = router_config or RouterConfig(prefix=cfg.channel_prefix)
     return await dispatcher_role(
