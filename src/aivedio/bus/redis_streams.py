@@ -24,7 +24,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, Literal, TypeVar
 
 import redis.asyncio as aioredis
@@ -426,19 +426,13 @@ class RedisStreamsDelivery:
     def deliveries(self) -> int:
         return self._deliveries
 
-    async def _run(self, op: Callable[[RedisStreamsBus, str], Awaitable[object]]) -> None:
-        bus = self._consumer._bus
-        bus._check_open()
-        await op(bus, self._consumer._group)
-
     async def ack(self) -> None:
-        async def op(bus: RedisStreamsBus, group: str) -> None:
-            pipe = bus._r.pipeline(transaction=True)
-            pipe.xack(self._stream, group, self._id)
-            pipe.hdel(bus._counts(group), self._id)
-            await bus._call(pipe.execute())
-
-        await self._run(op)
+        bus, group = self._consumer._bus, self._consumer._group
+        bus._check_open()
+        pipe = bus._r.pipeline(transaction=True)
+        pipe.xack(self._stream, group, self._id)
+        pipe.hdel(bus._counts(group), self._id)
+        await bus._call(pipe.execute())
 
     async def _set_idle(self, idle_ms: int) -> None:
         c = self._consumer

@@ -477,7 +477,8 @@ class InboxWriter:
                 first[key] = waiter
         unique = [first[key] for key in sorted(first)]
         BATCH_SIZE.observe(len(unique))
-        lease = self._handoff.lease() if self._handoff is not None else None
+        handoff = self._handoff
+        lease = handoff.lease() if handoff is not None else None
         started = time.perf_counter()
         try:
             inserted = await held.insert([w.row for w in unique], lease)
@@ -492,9 +493,8 @@ class InboxWriter:
             return
         finally:
             INSERT_SECONDS.observe(time.perf_counter() - started)
-        if inserted and lease is not None:
-            assert self._handoff is not None
-            self._handoff.put(
+        if inserted and handoff is not None and lease is not None:
+            handoff.put(
                 lease[0],
                 [handed_row(first[key].row, inbox_id) for key, inbox_id in inserted.items()],
             )
