@@ -16,6 +16,7 @@ from aivedio.retention.maintenance import LOCK_KEY, Maintenance
 from aivedio.retention.partitions import detach_and_drop, list_partitions, raise_floors
 from tests.integration.retention_helpers import age_events, holes_above_floor, stream_row
 from tests.integration.test_gateway_harness import EnvFactory, collect, make_env, seqs
+from tests.waiting import eventually
 
 __all__ = ["make_env"]
 
@@ -269,12 +270,31 @@ async def test_a_round_killed_while_it_detaches_loses_no_event_above_a_floor(
         assert pending == [old]
         assert await stream_row(env.db, env.project.project_id) == (epoch, head, 3)
         assert await holes_above_floor(env.db) == {}
+        async with env.db.connection() as conn:  # the round's server backend: it outlives it
+            orphans = await conn.fetch(
+                "SELECT pid FROM pg_locks"
+                " WHERE locktype = 'advisory' AND classid = 0 AND objid = $1 AND objsubid = 1",
+                LOCK_KEY & 0xFFFFFFFF,
+            )
+        assert len(orphans) == 1
     finally:
         proc.kill()
         await proc.wait()
         await blocker.close()
     assert await holes_above_floor(env.db) == {}
+
+    async def orphan_gone() -> bool:
+        # The killed round's backend finishes the detach on its own, then finds its client gone
+        # and exits; until then it holds the round's advisory lock and a new round is skipped.
+        async with env.db.connection() as conn:
+            alive = await conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE pid = $1", orphans[0]["pid"]
+            )
+        return alive == 0
+
+    await eventually(orphan_gone, "the killed round's server backend to exit")
     result = await Maintenance(env.db, CONFIG).run_once()
+    assert not result.skipped
     assert result.partitions_dropped == [old]  # finalized and dropped, or dropped if detached
     assert await holes_above_floor(env.db) == {}
     async with env.db.connection() as conn:
