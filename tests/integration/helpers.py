@@ -38,16 +38,21 @@ def store(db: Database, state: StateService | None = None) -> TaskStore:
 
 
 async def make_task(
-    tasks: TaskStore, project: Project, key: str | None = None, **overrides: Any
+    tasks: TaskStore,
+    project: Project,
+    key: str | None = None,
+    trace_id: str | None = None,
+    **overrides: Any,
 ) -> tuple[uuid.UUID, uuid.UUID]:
-    """Create a task through the store; return (task id, current attempt id)."""
+    """Create a task through the store (under ``trace_id``, when given); return (task id,
+    current attempt id)."""
     body = {"provider": "sandbox", "model": "m1", "prompt": "a cat", "params": {}} | overrides
     created = await tasks.create(
         project.principal,
         project.project_id,
         key or uuid.uuid4().hex,
         NewTask(**body),
-        None,
+        trace_id,
     )
     task_id = uuid.UUID(created.snapshot["id"])
     async with tasks.db.connection() as conn:

@@ -82,6 +82,7 @@ class World:
         self.db = db
         self.state = StateService(db, clock=clock)
         self.label = label
+        self.trace_prefix = f"trc_{uuid.uuid4().hex[:8]}"  # trace ids as aivedio makes them
         self.names: dict[str, str] = {}
         self.projects: list[Project] = []
         self.attempts: list[uuid.UUID] = []
@@ -114,14 +115,16 @@ class World:
             progress=obs.progress,
             received_at=RECEIVED,
             dedup_key=f"{self.label}-{n}",
-            trace_id=f"{self.label}-trace-{n}" if n % 3 == 0 else None,
+            trace_id=f"{self.trace_prefix}{n:016x}" if n % 3 == 0 else None,
         )
 
     def name(self, value: Any) -> Any:
         if isinstance(value, uuid.UUID):
             return self.names.get(str(value), "?")
         if isinstance(value, str):
-            if value.startswith(f"{self.label}-"):  # a trace id or dedup key of this world
+            if value.startswith(self.trace_prefix):  # a trace id of this world
+                return "trace-" + value[len(self.trace_prefix) :]
+            if value.startswith(f"{self.label}-"):  # a dedup key of this world
                 return "world" + value[len(self.label) :]
             return self.names.get(value, value)
         if isinstance(value, dict):
@@ -149,8 +152,8 @@ class World:
                     projects,
                 ),
                 "events": await conn.fetch(
-                    "SELECT project_id, seq, task_id, attempt_id, task_version, event_type,"
-                    " public_payload, source, trace_id, occurred_at FROM task_events"
+                    "SELECT project_id, seq, task_id, task_version, public_payload, source,"
+                    " 'trc_' || encode(trace_id, 'hex') AS trace_id FROM task_events"
                     " WHERE project_id = ANY($1) AND task_version > 1 ORDER BY project_id, seq",
                     projects,
                 ),
@@ -314,7 +317,7 @@ async def test_one_task_many_times_in_one_batch_evolves_as_one_by_one(db: Databa
                 attempt_id,
             )
             events = await conn.fetch(
-                "SELECT seq, task_version, public_payload - 'task_id' AS p, source"
+                "SELECT seq, task_version, public_payload::jsonb - 'task_id' AS p, source"
                 " FROM task_events WHERE task_id = $1 ORDER BY seq",
                 task_id,
             )

@@ -3,12 +3,10 @@ the old rows are one partition that retention drops like any other."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import asyncpg
 import pytest
 
 from aivedio.config import DatabaseConfig
@@ -18,31 +16,21 @@ from aivedio.gateway.store import EventStore
 from aivedio.retention.config import RetentionConfig
 from aivedio.retention.maintenance import Maintenance
 from aivedio.retention.partitions import list_partitions
-from tests.conftest import with_database
 from tests.integration.helpers import make_project, make_task, store
+from tests.integration.legacy_events import database_at, write_old_tasks
 from tests.integration.retention_helpers import holes_above_floor
 
-EVENTS = "SELECT * FROM task_events ORDER BY project_id, epoch, seq"
+# What every version of task_events stores (0016 dropped columns nobody read: its own test)
+EVENTS = """SELECT project_id, epoch, seq, task_id, task_version, public_payload::jsonb AS payload,
+                   source, created_at
+            FROM task_events ORDER BY project_id, epoch, seq"""
 
 
 @pytest.fixture
 async def old_database(admin_database_url: str) -> AsyncIterator[str]:
     """An empty database migrated to 0011 only (the version before partitions)."""
-    name = f"aivedio_old_{uuid.uuid4().hex[:10]}"
-    admin = await asyncpg.connect(admin_database_url)
-    try:
-        await admin.execute(f'CREATE DATABASE "{name}"')
-        url = with_database(admin_database_url, name)
-        conn = await asyncpg.connect(url)
-        try:
-            applied = await migrate(conn, upto=11)
-            assert applied[-1] == 11
-        finally:
-            await conn.close()
+    async with database_at(admin_database_url, 11) as url:
         yield url
-    finally:
-        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        await admin.close()
 
 
 async def rows(db: Database, sql: str) -> list[dict[str, Any]]:
@@ -55,10 +43,9 @@ async def test_a_populated_database_is_converted_without_changing_a_row(old_data
     try:
         projects = [await make_project(db, tenant=f"t{i}", project="p") for i in range(3)]
         tasks = store(db)
-        for project in projects:
-            for _ in range(12):
-                await make_task(tasks, project)
         async with db.connection() as conn:
+            for project in projects:
+                await write_old_tasks(conn, project, 3)  # 12 events each
             # Months of history: events spread over the last 40 days, a stream of another epoch
             await conn.execute(
                 "UPDATE task_events SET created_at = now() - seq * interval '80 hours'"

@@ -100,7 +100,8 @@ async def assert_rides_the_chain(chain: Chain, task_id: str, trace: str, lines: 
     async def written() -> bool:
         nonlocal events
         events = await chain.fetch(
-            "SELECT seq FROM task_events WHERE task_id = $1 AND trace_id = $2",
+            "SELECT seq FROM task_events WHERE task_id = $1"
+            " AND 'trc_' || encode(trace_id, 'hex') = $2",
             uuid.UUID(task_id),
             trace,
         )
@@ -221,7 +222,8 @@ async def test_the_trace_id_of_a_callback_reaches_the_frame(chain: Chain) -> Non
                     trace,
                 )
                 events = await chain.fetch(
-                    "SELECT public_payload FROM task_events WHERE task_id = $1 AND trace_id = $2",
+                    "SELECT public_payload FROM task_events WHERE task_id = $1"
+                    " AND 'trc_' || encode(trace_id, 'hex') = $2",
                     uuid.UUID(task_id),
                     trace,
                 )

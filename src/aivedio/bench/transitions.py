@@ -42,7 +42,7 @@ from aivedio.config import DatabaseConfig, Settings
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.domain.observation import ProviderObservation, ProviderStatus, Source
-from aivedio.domain.public import public_event
+from aivedio.domain.public import public_event, stored_payload
 from aivedio.domain.statuses import STATUS_TABLE, Status
 from aivedio.domain.transitions import Outcome, TaskChange
 from aivedio.services.embedded import pgbench_path
@@ -251,29 +251,27 @@ def _sql_with(name: str, params: Mapping[int, str]) -> str:
 
 _WRITE_PARAMS = {
     1: ":l_project_id",
-    2: ":l_tenant_id",
-    3: ":l_id",
-    4: ":l_attempt_id",
-    5: ":next_version",
-    6: ":public_payload",
-    7: ":source",
-    8: "NULL",  # trace_id
-    9: ":occurred_at",
-    10: ":status",
-    11: ":stage",
-    12: ":progress",
-    13: "NULL",  # error_code
-    14: "NULL",  # error_message
-    15: "NULL",  # asset_id
-    16: ":terminal",
-    17: ":domain_payload",
-    18: ":record_attempt",
-    19: ":provider_status",
-    20: ":next_version",  # last_provider_seq
-    21: ":occurred_at",  # last_provider_at
-    22: "NULL",  # inbox id
-    23: "true",  # a public event (progress moved): no audit row, the audit columns are NULL
-    **dict.fromkeys(range(24, 31), "NULL"),
+    2: ":l_id",
+    3: ":l_attempt_id",
+    4: ":next_version",
+    5: ":stored_payload",
+    6: ":source",
+    7: "NULL",  # trace_id
+    8: ":status",
+    9: ":stage",
+    10: ":progress",
+    11: "NULL",  # error_code
+    12: "NULL",  # error_message
+    13: "NULL",  # asset_id
+    14: ":terminal",
+    15: ":domain_payload",
+    16: ":record_attempt",
+    17: ":provider_status",
+    18: ":next_version",  # last_provider_seq
+    19: ":occurred_at",  # last_provider_at
+    20: "NULL",  # inbox id
+    21: "true",  # a public event (progress moved): no audit row, the audit columns are NULL
+    **dict.fromkeys(range(22, 29), "NULL"),
 }
 
 
@@ -340,35 +338,33 @@ def _batch_script(blocks: int, batch: int, clients: int) -> str:
         "write_events",
         {
             1: block("project_ids"),
-            2: block("tenant_ids"),
-            3: block("task_ids"),
-            4: block("attempt_ids"),
-            5: versions,
-            6: fill(":public_payload", "text"),
-            7: fill(":source", "text"),
-            8: fill("NULL", "text"),  # trace_id
-            9: fill(":occurred_at", "timestamptz"),
-            10: fill(":status", "text"),
-            11: fill(":stage", "text"),
-            12: fill(":progress", "smallint"),
-            13: fill("NULL", "text"),  # error_code
-            14: fill("NULL", "text"),  # error_message
-            15: fill("NULL", "uuid"),  # asset_id
-            16: fill(":terminal", "boolean"),
-            17: fill(":domain_payload", "text"),
-            18: fill(":record_attempt", "boolean"),
-            19: fill(":provider_status", "text"),
-            20: versions,  # last_provider_seq
-            21: fill(":occurred_at", "timestamptz"),
-            22: fill("NULL", "bigint"),  # inbox id
-            23: fill("true", "boolean"),  # public events (progress moved): no audit rows
-            24: fill("NULL", "text"),  # audit reason
-            25: fill("NULL", "text"),  # audit observed
-            26: fill("NULL", "timestamptz"),  # audit received_at
-            27: fill("NULL", "text"),  # audit provider
-            28: fill("NULL", "bigint"),  # audit provider_sequence
-            29: fill("NULL", "smallint"),  # audit progress
-            30: fill("NULL", "text"),  # audit dedup key
+            2: block("task_ids"),
+            3: block("attempt_ids"),
+            4: versions,
+            5: fill(":stored_payload", "text"),
+            6: fill(":source", "text"),
+            7: fill("NULL", "text"),  # trace_id
+            8: fill(":status", "text"),
+            9: fill(":stage", "text"),
+            10: fill(":progress", "smallint"),
+            11: fill("NULL", "text"),  # error_code
+            12: fill("NULL", "text"),  # error_message
+            13: fill("NULL", "uuid"),  # asset_id
+            14: fill(":terminal", "boolean"),
+            15: fill(":domain_payload", "text"),
+            16: fill(":record_attempt", "boolean"),
+            17: fill(":provider_status", "text"),
+            18: versions,  # last_provider_seq
+            19: fill(":occurred_at", "timestamptz"),
+            20: fill("NULL", "bigint"),  # inbox id
+            21: fill("true", "boolean"),  # public events (progress moved): no audit rows
+            22: fill("NULL", "text"),  # audit reason
+            23: fill("NULL", "text"),  # audit observed
+            24: fill("NULL", "timestamptz"),  # audit received_at
+            25: fill("NULL", "text"),  # audit provider
+            26: fill("NULL", "bigint"),  # audit provider_sequence
+            27: fill("NULL", "smallint"),  # audit progress
+            28: fill("NULL", "text"),  # audit dedup key
         },
     )
     return f"\\set b {pick}\n\\set progress random(0, 100)\nBEGIN;\n{lock};\n{write};\nCOMMIT;\n"
@@ -406,7 +402,7 @@ def pgbench_variables() -> dict[str, str]:
         public=public,
     )
     return {
-        "public_payload": json.dumps(public),
+        "stored_payload": stored_payload(public),
         "domain_payload": json.dumps(payload),
         "source": str(Source.POLL),
         "occurred_at": occurred_at.isoformat(),
@@ -424,12 +420,11 @@ def _blocks_statement(batch: int) -> str:
     order). Full blocks only."""
     return (
         "CREATE TABLE bench_blocks AS"
-        " WITH src AS (SELECT a.id AS attempt_id, t.id AS task_id, t.project_id, t.tenant_id,"
+        " WITH src AS (SELECT a.id AS attempt_id, t.id AS task_id, t.project_id,"
         " row_number() OVER (ORDER BY t.created_at, t.id) - 1 AS k"
         " FROM task_attempts a JOIN generation_tasks t ON t.id = a.task_id)"
         f" SELECT (k / {batch})::int AS b,"
         " array_agg(project_id ORDER BY project_id, k) AS project_ids,"
-        " array_agg(tenant_id ORDER BY project_id, k) AS tenant_ids,"
         " array_agg(task_id ORDER BY project_id, k) AS task_ids,"
         " array_agg(attempt_id ORDER BY project_id, k) AS attempt_ids"
         f" FROM src GROUP BY 1 HAVING count(*) = {batch};"

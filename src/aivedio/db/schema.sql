@@ -154,20 +154,17 @@ CREATE TRIGGER trg_inbox_notify AFTER INSERT ON provider_callback_inbox
     FOR EACH STATEMENT EXECUTE FUNCTION aivedio_inbox_notify();
 
 -- Partitioned by day (migration 0012, which says why the keys are what they are); the
--- partitions are made by aivedio_ensure_event_partitions and dropped by retention.
+-- partitions are made by aivedio_ensure_event_partitions and dropped by retention. Only what
+-- its readers read (migration 0016 says what went where).
 CREATE TABLE task_events (
     project_id      UUID        NOT NULL,
     epoch           BIGINT      NOT NULL,
     seq             BIGINT      NOT NULL,
-    tenant_id       UUID        NOT NULL,
     task_id         UUID        NOT NULL,
-    attempt_id      UUID,
     task_version    BIGINT      NOT NULL,
-    event_type      TEXT        NOT NULL,
-    public_payload  JSONB       NOT NULL,
+    public_payload  JSON        NOT NULL,   -- domain.public.stored_payload (migration 0016)
     source          TEXT        NOT NULL,
-    trace_id        TEXT,
-    occurred_at     TIMESTAMPTZ,
+    trace_id        BYTEA,                  -- the bytes of trc_<hex> (aivedio.logs)
     created_at      TIMESTAMPTZ NOT NULL DEFAULT now(),
     CONSTRAINT pk_task_events PRIMARY KEY (project_id, epoch, seq, created_at)
 ) PARTITION BY RANGE (created_at);

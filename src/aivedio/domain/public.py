@@ -5,6 +5,7 @@ Provider raw errors, URLs with credentials, costs and internal routing never pas
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any
 
@@ -69,8 +70,20 @@ def public_event(
     }
 
 
+def stored_payload(event: dict[str, Any]) -> str:
+    """The payload a ``task_events`` row stores for a public event (as compact JSON text):
+    without what the row's columns say (``task_id``, ``task_version``, the seq) and without
+    null fields. :func:`stored_event` adds them back."""
+    kept = {
+        k: v
+        for k, v in event.items()
+        if v is not None and k not in ("task_id", "task_version", "event_id")
+    }
+    return json.dumps(kept, separators=(",", ":"))
+
+
 def stored_event(
-    stored: dict[str, Any], task_id: uuid.UUID, task_version: int, seq: int
+    stored: dict[str, Any], task_id: uuid.UUID | str, task_version: int, seq: int
 ) -> dict[str, Any]:
     """A task event as clients see it, from its ``task_events`` row: the stored payload leaves
     out what the row's columns say (``task_id``, ``task_version``, the seq) and null fields

@@ -79,6 +79,21 @@ def make_event(
     and ``trace_id`` ride the event for the gateway's metrics and logs, never into a frame."""
     payload = {k: public.get(k) for k in PUBLIC_FIELDS}
     payload["event_id"] = seq
+    return event_of(epoch, seq, payload, comment, stored_at=stored_at, trace_id=trace_id)
+
+
+def event_of(
+    epoch: int,
+    seq: int,
+    payload: dict[str, Any],
+    comment: str = "",
+    *,
+    stored_at: float | None = None,
+    trace_id: str | None = None,
+) -> Event:
+    """:func:`make_event` of a payload that is already what a browser sees: exactly the
+    ``PUBLIC_FIELDS``, ``event_id`` the seq (``domain.public.stored_event`` makes one from a
+    stored row). The replay builds 1,000 of them per page: one dict per event, not two."""
     task_id = str(payload["task_id"])
     status = str(payload["status"])
     extra = f": {comment}\n" if comment else ""

@@ -10,7 +10,7 @@ import orjson
 
 from aivedio.db.pool import Database
 from aivedio.domain.public import stored_event
-from aivedio.gateway.frames import Event, make_event
+from aivedio.gateway.frames import Event, event_of
 
 POSITION = "SELECT epoch, head, floor FROM event_streams WHERE project_id = $1"
 
@@ -19,7 +19,9 @@ SELECT project_id, epoch, head, floor FROM event_streams WHERE project_id = ANY(
 """
 
 EVENTS = """
-SELECT seq, task_id, task_version, public_payload::text AS public_payload, trace_id, created_at
+SELECT seq, task_id::text AS task_id, task_version, public_payload::text AS public_payload,
+       'trc_' || encode(trace_id, 'hex') AS trace_id,
+       extract(epoch FROM created_at)::float8 AS stored_at
 FROM task_events
 WHERE project_id = $1 AND epoch = $2 AND seq > $3 AND seq <= $4
 ORDER BY seq
@@ -57,14 +59,16 @@ class EventStore:
         """Events ``after < seq <= upto`` in seq order, at most ``limit``."""
         async with self.db.connection() as conn:
             rows = await conn.fetch(EVENTS, project_id, epoch, after, upto, limit)
+        # Text, not uuid or timestamptz: no Python object per column only to be printed
+        # (with the payload kept as text and one dict per event: a third of the page's CPU).
         return [
-            make_event(
+            event_of(
                 epoch,
                 r["seq"],
                 stored_event(
                     _payload(r["public_payload"]), r["task_id"], r["task_version"], r["seq"]
                 ),
-                stored_at=r["created_at"].timestamp(),
+                stored_at=r["stored_at"],
                 trace_id=r["trace_id"],
             )
             for r in rows

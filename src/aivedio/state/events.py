@@ -24,7 +24,7 @@ from typing import Any
 import asyncpg
 
 from aivedio.db.queries import q
-from aivedio.domain.public import public_event
+from aivedio.domain.public import public_event, stored_payload
 from aivedio.domain.statuses import STATUS_TABLE
 from aivedio.domain.transitions import AttemptChange, TaskChange
 
@@ -156,14 +156,12 @@ async def write_event(
     row = await conn.fetchrow(
         q("write_event"),
         ref.project_id,
-        ref.tenant_id,
         ref.task_id,
         attempt_id,
         version,
-        public,
+        stored_payload(public) if public is not None else None,
         source,
         trace_id,
-        occurred_at,
         str(change.status),
         str(change.stage),
         change.progress,
@@ -242,7 +240,7 @@ async def write_events(conn: asyncpg.Connection, events: Sequence[NewEvent]) -> 
     """
     if not events:
         return []
-    columns: list[list[Any]] = [[] for _ in range(30)]
+    columns: list[list[Any]] = [[] for _ in range(28)]
     for e in events:
         public, payload = _payloads(
             e.ref,
@@ -257,14 +255,12 @@ async def write_events(conn: asyncpg.Connection, events: Sequence[NewEvent]) -> 
         a, audit = e.attempt_change, e.audit
         values = (
             e.ref.project_id,
-            e.ref.tenant_id,
             e.ref.task_id,
             e.attempt_id,
             e.version,
-            json.dumps(public),
+            stored_payload(public) if public is not None else None,
             e.source,
             e.trace_id,
-            e.occurred_at,
             str(e.change.status),
             str(e.change.stage),
             e.change.progress,

@@ -52,71 +52,71 @@ WHERE t.id = $1
 -- writers of one project until commit, so seqs are contiguous and commit-ordered), insert the
 -- task event, move the task to its new version (CAS on the old one), record what was seen on the
 -- attempt, insert the outbox row, mark the inbox row processed.
--- A version that is not a public event ($23 false: it changes no public field) takes no seq and
+-- A version that is not a public event ($21 false: it changes no public field) takes no seq and
 -- inserts no task event; its outbox row has event_id and epoch null, and its audit row
 -- (observation_audit, outcome 'applied') is written instead. Always returns one row.
--- The event's stored payload leaves out what its columns already say (task_id, task_version,
--- event_id = seq) and null fields: readers add them back (domain.public.stored_event,
--- gateway.frames.make_event); 130 of ~210 bytes per event (migration 0012, bench retention).
--- $1 project  $2 tenant  $3 task  $4 attempt  $5 new version  $6 public payload  $7 source
--- $8 trace  $9 occurred_at  $10 status  $11 stage  $12 progress  $13 error_code
--- $14 error_message  $15 asset  $16 terminal  $17 domain payload  $18 record attempt?
--- $19 provider_status  $20 last_provider_seq  $21 last_provider_at  $22 inbox id
--- $23 public event?  audit row (when not): $24 reason  $25 observed  $26 received_at
--- $27 provider  $28 provider_sequence  $29 progress  $30 dedup key
+-- The event's stored payload ($5, domain.public.stored_payload) leaves out what its columns
+-- already say (task_id, task_version, event_id = seq) and null fields: readers add them back
+-- (domain.public.stored_event, gateway.frames.make_event). Its trace id is stored as bytes
+-- (migration 0016).
+-- $1 project  $2 task  $3 attempt  $4 new version  $5 stored payload  $6 source
+-- $7 trace  $8 status  $9 stage  $10 progress  $11 error_code
+-- $12 error_message  $13 asset  $14 terminal  $15 domain payload  $16 record attempt?
+-- $17 provider_status  $18 last_provider_seq  $19 last_provider_at  $20 inbox id
+-- $21 public event?  audit row (when not): $22 reason  $23 observed  $24 received_at
+-- $25 provider  $26 provider_sequence  $27 progress  $28 dedup key
 WITH stream AS (
     UPDATE event_streams SET head = head + 1, updated_at = now()
-    WHERE project_id = $1 AND $23::boolean
+    WHERE project_id = $1 AND $21::boolean
     RETURNING epoch, head
 ), event AS (
-    INSERT INTO task_events (project_id, epoch, seq, tenant_id, task_id, attempt_id,
-                             task_version, event_type, public_payload, source, trace_id,
-                             occurred_at, created_at)
-    SELECT $1, stream.epoch, stream.head, $2, $3, $4, $5, 'task.status',
-           jsonb_strip_nulls($6::jsonb - 'task_id' - 'task_version'), $7, $8, $9,
+    INSERT INTO task_events (project_id, epoch, seq, task_id, task_version, public_payload,
+                             source, trace_id, created_at)
+    SELECT $1, stream.epoch, stream.head, $2, $4, $5::text::json, $6,
+           CASE WHEN $7 ~ '^trc_([0-9a-f]{2})+$' THEN decode(substr($7, 5), 'hex') END,
            clock_timestamp()  -- written after the stream lock: just before the commit
     FROM stream
 ), task AS (
     UPDATE generation_tasks
-    SET status = $10, stage = $11, progress = $12, version = $5,
+    SET status = $8, stage = $9, progress = $10, version = $4,
         last_event_id = COALESCE((SELECT head FROM stream), last_event_id),
-        error_code = $13, error_message = $14, asset_id = $15,
+        error_code = $11, error_message = $12, asset_id = $13,
         -- the last event of the stage: a version that is not an event keeps it
-        progress_event_at = CASE WHEN $23::boolean THEN now() ELSE progress_event_at END,
-        terminal_at = CASE WHEN $16::boolean THEN now() END,
-        trace_id = COALESCE($8, trace_id),
+        progress_event_at = CASE WHEN $21::boolean THEN now() ELSE progress_event_at END,
+        terminal_at = CASE WHEN $14::boolean THEN now() END,
+        trace_id = COALESCE($7, trace_id),
         updated_at = now()
-    WHERE id = $3 AND version = $5 - 1
+    WHERE id = $2 AND version = $4 - 1
     RETURNING id
 ), attempt AS (
     -- A webhook that changed something pushes the attempt's next poll out by the poller's
     -- WEBHOOK_PUSH_S (aivedio.polling.policy; a test keeps the two equal); a finished task's
     -- attempt is not polled again.
     UPDATE task_attempts
-    SET provider_status = $19, last_provider_seq = $20, last_provider_at = $21, updated_at = now(),
+    SET provider_status = $17, last_provider_seq = $18, last_provider_at = $19, updated_at = now(),
         next_poll_at = CASE
-            WHEN $16::boolean THEN NULL
-            WHEN $7 = 'webhook' AND next_poll_at IS NOT NULL
+            WHEN $14::boolean THEN NULL
+            WHEN $6 = 'webhook' AND next_poll_at IS NOT NULL
                 THEN GREATEST(next_poll_at, now() + interval '30 seconds')
             ELSE next_poll_at
         END
-    WHERE id = $4 AND $18::boolean
+    WHERE id = $3 AND $16::boolean
     RETURNING id
 ), outbox AS (
     INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_version, event_type, payload)
-    SELECT 'task', $3, $5, 'task.status.changed',
-           $17::jsonb || jsonb_build_object('event_id', (SELECT head FROM stream),
+    SELECT 'task', $2, $4, 'task.status.changed',
+           $15::jsonb || jsonb_build_object('event_id', (SELECT head FROM stream),
                                             'epoch', (SELECT epoch FROM stream))
 ), audit AS (
     INSERT INTO observation_audit (task_id, attempt_id, project_id, outcome, reason, source,
                                    provider, observed, provider_sequence, progress,
                                    task_version, inbox_id, dedup_key, trace_id, received_at)
-    SELECT $3, $4, $1, 'applied', $24, $7, $27, $25, $28, $29, $5, $22, $30, $8, $26
-    WHERE NOT $23::boolean
+    SELECT $2, $3, $1, 'applied', $22, $6, $25, $23, $26, $27, $4, $20, $28, $7, $24
+    WHERE NOT $21::boolean
 ), inbox AS (
     UPDATE provider_callback_inbox
     SET process_status = 'processed', processed_at = now()
-    WHERE id = $22
+    WHERE id = $20
       AND process_status <> 'processed'  -- the inbox processor marked it first
     RETURNING id
 )
@@ -164,7 +164,7 @@ SELECT (SELECT id FROM audit) AS audit_id, (SELECT id FROM item) AS item_id
 --   materialized, and the stream UPDATE only touches rows it produced), so two batches cannot
 --   deadlock on them; each head moves by the project's public event count and public events
 --   are numbered from the old head, contiguous and in order;
--- - a version that is not a public event ($23 false) takes no seq and no task event: its
+-- - a version that is not a public event ($21 false) takes no seq and no task event: its
 --   outbox row has event_id and epoch null and its audit row is written instead (write_event);
 -- - a task with several events ends as its last one left it (version CAS on the first one's
 --   version - 1, last_event_id its last public seq, the last non-NULL trace id);
@@ -172,22 +172,22 @@ SELECT (SELECT id FROM audit) AS audit_id, (SELECT id FROM item) AS item_id
 --   values there) and next_poll_at as write_event's CASE applied event after event would leave
 --   it (any terminal: NULL; else any webhook: pushed out by 30 seconds).
 -- Returns one row per event, in order (seq and epoch null for a version that is not public).
--- $1 project[]  $2 tenant[]  $3 task[]  $4 attempt[]  $5 new version[]  $6 public payload[]
--- $7 source[]  $8 trace[]  $9 occurred_at[]  $10 status[]  $11 stage[]  $12 progress[]
--- $13 error_code[]  $14 error_message[]  $15 asset[]  $16 terminal[]  $17 domain payload[]
--- $18 record attempt?[]  $19 provider_status[]  $20 last_provider_seq[]  $21 last_provider_at[]
--- $22 inbox id[]  $23 public event?[]  audit rows: $24 reason[]  $25 observed[]
--- $26 received_at[]  $27 provider[]  $28 provider_sequence[]  $29 progress[]  $30 dedup key[]
+-- $1 project[]  $2 task[]  $3 attempt[]  $4 new version[]  $5 stored payload[]
+-- $6 source[]  $7 trace[]  $8 status[]  $9 stage[]  $10 progress[]
+-- $11 error_code[]  $12 error_message[]  $13 asset[]  $14 terminal[]  $15 domain payload[]
+-- $16 record attempt?[]  $17 provider_status[]  $18 last_provider_seq[]  $19 last_provider_at[]
+-- $20 inbox id[]  $21 public event?[]  audit rows: $22 reason[]  $23 observed[]
+-- $24 received_at[]  $25 provider[]  $26 provider_sequence[]  $27 progress[]  $28 dedup key[]
 WITH input AS MATERIALIZED (
     SELECT *
-    FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::bigint[], $6::text[],
-                $7::text[], $8::text[], $9::timestamptz[], $10::text[], $11::text[],
-                $12::smallint[], $13::text[], $14::text[], $15::uuid[], $16::boolean[],
-                $17::text[], $18::boolean[], $19::text[], $20::bigint[], $21::timestamptz[],
-                $22::bigint[], $23::boolean[], $24::text[], $25::text[], $26::timestamptz[],
-                $27::text[], $28::bigint[], $29::smallint[], $30::text[])
-        WITH ORDINALITY AS i (project_id, tenant_id, task_id, attempt_id, version, public_payload,
-                              source, trace_id, occurred_at, status, stage, progress, error_code,
+    FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::bigint[], $5::text[],
+                $6::text[], $7::text[], $8::text[], $9::text[],
+                $10::smallint[], $11::text[], $12::text[], $13::uuid[], $14::boolean[],
+                $15::text[], $16::boolean[], $17::text[], $18::bigint[], $19::timestamptz[],
+                $20::bigint[], $21::boolean[], $22::text[], $23::text[], $24::timestamptz[],
+                $25::text[], $26::bigint[], $27::smallint[], $28::text[])
+        WITH ORDINALITY AS i (project_id, task_id, attempt_id, version, public_payload,
+                              source, trace_id, status, stage, progress, error_code,
                               error_message, asset_id, terminal, payload, record_attempt,
                               provider_status, last_provider_seq, last_provider_at, inbox_id,
                               public, audit_reason, audit_observed, audit_received_at,
@@ -216,12 +216,11 @@ WITH input AS MATERIALIZED (
     FROM input i
     LEFT JOIN stream st ON st.project_id = i.project_id
 ), event AS (
-    INSERT INTO task_events (project_id, epoch, seq, tenant_id, task_id, attempt_id,
-                             task_version, event_type, public_payload, source, trace_id,
-                             occurred_at, created_at)
-    SELECT project_id, epoch, seq, tenant_id, task_id, attempt_id, version, 'task.status',
-           jsonb_strip_nulls(public_payload::jsonb - 'task_id' - 'task_version'), source, trace_id,
-           occurred_at, clock_timestamp()
+    INSERT INTO task_events (project_id, epoch, seq, task_id, task_version, public_payload,
+                             source, trace_id, created_at)
+    SELECT project_id, epoch, seq, task_id, version, public_payload::json, source,
+           CASE WHEN trace_id ~ '^trc_([0-9a-f]{2})+$' THEN decode(substr(trace_id, 5), 'hex') END,
+           clock_timestamp()
     FROM numbered
     WHERE public
     ORDER BY ord

@@ -58,7 +58,9 @@ LIMIT $4
 SELECT epoch, head, floor FROM event_streams WHERE project_id = $1
 
 -- name: task_events_of_task
-SELECT seq, epoch, task_version, event_type, source, public_payload, trace_id, created_at
+-- (every task event is a 'task.status' one; the trace id is stored as bytes: migration 0016)
+SELECT seq, epoch, task_version, 'task.status' AS event_type, source, public_payload,
+       'trc_' || encode(trace_id, 'hex') AS trace_id, created_at
 FROM task_events
 WHERE task_id = $1
 ORDER BY task_version
