@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from aivedio.providers.base import (
+from aivedio.providers.port import (
     AuthFailed,
     MalformedResponse,
     NotFoundYet,

@@ -15,16 +15,17 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from aivedio.domain.observation import ProviderStatus
-from aivedio.providers.base import (
+from aivedio.providers.fal import FalAdapter
+from aivedio.providers.jwks import FalEd25519Verifier, JwksCache
+from aivedio.providers.port import (
     InboxFields,
     MalformedResponse,
     PayloadError,
     ProviderAdapter,
     SubmitRequest,
+    VerificationError,
+    Verified,
 )
-from aivedio.providers.fal import FalAdapter
-from aivedio.providers.jwks import FalEd25519Verifier, JwksCache
-from aivedio.providers.verify import VerificationError, Verified
 from tests.unit.provider_contract import answered, check_query_errors, check_submit_sent_once
 
 KEY = Ed25519PrivateKey.generate()

@@ -15,7 +15,8 @@ import httpx
 import pytest
 
 from aivedio.domain.observation import ProviderStatus
-from aivedio.providers.base import (
+from aivedio.providers.kling import KlingAdapter
+from aivedio.providers.port import (
     AuthFailed,
     InboxFields,
     MalformedResponse,
@@ -25,9 +26,9 @@ from aivedio.providers.base import (
     Rejected,
     SubmitRequest,
     Unsupported,
+    VerificationError,
+    Verified,
 )
-from aivedio.providers.kling import KlingAdapter
-from aivedio.providers.verify import VerificationError, Verified
 from tests.unit.provider_contract import answered, check_query_errors, check_submit_sent_once
 
 TOKEN_SECRET = os.urandom(32)

@@ -10,14 +10,14 @@ import httpx
 import pytest
 
 from aivedio.domain.observation import ProviderStatus
-from aivedio.providers.base import (
+from aivedio.providers.port import (
     InboxFields,
     PayloadError,
     ProviderAdapter,
     SubmitRequest,
+    Verified,
 )
 from aivedio.providers.replicate import ReplicateAdapter
-from aivedio.providers.verify import Verified
 from tests.unit.provider_contract import answered, check_query_errors, check_submit_sent_once
 
 SECRET = "whsec_" + base64.b64encode(b"r" * 24).decode()

@@ -9,10 +9,15 @@ import httpx
 import pytest
 
 from aivedio.domain.observation import ProviderStatus
-from aivedio.providers.base import InboxFields, ProviderAdapter, Rejected, SubmitRequest
+from aivedio.providers.port import (
+    InboxFields,
+    ProviderAdapter,
+    Rejected,
+    SubmitRequest,
+    VerificationError,
+)
 from aivedio.providers.registry import ProvidersConfig, RunwayConfig, build_providers
 from aivedio.providers.runway import RunwayAdapter
-from aivedio.providers.verify import VerificationError
 from tests.unit.provider_contract import answered, check_query_errors, check_submit_sent_once
 
 TASK = "2272f1f2-dbb8-4083-a126-d9a8f0524bb2"

@@ -11,16 +11,16 @@ import httpx
 import pytest
 
 from aivedio.domain.observation import ProviderStatus, Source
-from aivedio.providers.base import (
+from aivedio.providers.port import (
     InboxFields,
     MalformedResponse,
     PayloadError,
     ProviderAdapter,
     Rejected,
     SubmitRequest,
+    Verified,
 )
 from aivedio.providers.sandbox import SandboxAdapter
-from aivedio.providers.verify import Verified
 from tests.unit.provider_contract import answered, check_query_errors, check_submit_sent_once
 
 SECRET = "whsec_" + base64.b64encode(b"k" * 24).decode()

@@ -1,10 +1,10 @@
-"""Provider adapters behind one port (:class:`~aivedio.providers.base.ProviderAdapter`).
+"""Provider adapters behind one port, :mod:`aivedio.providers.port` (re-exported here).
 
 One module per provider dialect: ``sandbox`` (aivedio's fake provider), ``replicate``, ``fal``,
 ``runway`` (poll-only) and ``kling`` (unsigned callbacks); ``registry`` builds them from config.
 """
 
-from aivedio.providers.base import (
+from aivedio.providers.port import (
     AuthFailed,
     InboxFields,
     JobState,
