@@ -17,14 +17,16 @@ as ``Test<Adapter>Contract`` (in that adapter's ``tests/unit/test_provider_<name
 All three share :class:`ProviderContract`: dedup keys (the same delivery has the same key, a
 different event a different one, and ``dedup`` is total), the normalization tables of callbacks
 and of queries (every provider status to the expected :class:`ProviderStatus`, progress clamped,
-the stored minimized copy normalizes the same), and the error mapping of ``submit``, ``query``,
-``cancel`` and ``lookup`` (429 -> :class:`RateLimited` with its ``Retry-After``, 5xx ->
-:class:`ProviderUnavailable`, 404 -> :class:`NotFoundYet`, 401/403 -> :class:`AuthFailed`, a
-body that is not a JSON object -> :class:`MalformedResponse`, a create sent exactly once).
+the stored minimized copy normalizes the same), and, from
+:class:`~tests.contract.provider_outbound.OutboundContract`, the error mapping of ``submit``,
+``query``, ``cancel`` and ``lookup`` (429 -> ``RateLimited`` with its ``Retry-After``, 5xx ->
+``ProviderUnavailable``, 404 -> ``NotFoundYet``, 401/403 -> ``AuthFailed``, a body that is not
+a JSON object -> ``MalformedResponse``, a create sent exactly once).
 
-The provider's HTTP side is an ``httpx.MockTransport`` (:class:`Recorder`) that answers what
-the case needs and records every request, as the adapter-specific tests do; the adapter's own
-``httpx`` stack (timeouts, status checks, JSON decoding) is the real one.
+The provider's HTTP side (in :mod:`tests.contract.provider_outbound`) is an
+``httpx.MockTransport`` that answers what the case needs and records every request, as the
+adapter-specific tests do, and for the transport failures also a real socket (a local HTTP
+server that refuses, hangs up or answers), so the mapping holds for what httpx really raises.
 
 A subclass supplies the adapter-specific fixtures as methods and class attributes: ``make``
 (the adapter with the named keys active), ``callback`` / ``query_body`` (sample payloads for a
@@ -40,7 +42,7 @@ import copy
 import hashlib
 import hmac
 import json
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -49,101 +51,24 @@ import pytest
 
 from aivedio.domain.observation import ProviderStatus
 from aivedio.providers.port import (
-    AuthFailed,
     InboxFields,
     MalformedResponse,
-    NotFoundYet,
     PayloadError,
     ProviderAdapter,
-    ProviderError,
-    ProviderUnavailable,
-    RateLimited,
     Reason,
-    SubmitOutcomeUnknown,
-    SubmitRequest,
-    Unsupported,
     VerificationError,
     Verified,
 )
 from aivedio.providers.verify import decode_whsec
+from tests.contract.provider_outbound import (
+    OutboundContract,
+    answered,
+)
 
 NOW = 1_767_225_600
 """The fixed clock of every verification (2026-01-01T00:00:00Z)."""
 TOLERANCE_S = 300
 """The timestamp window the signed adapters are built with (the default)."""
-
-Handler = Callable[[httpx.Request], httpx.Response]
-
-
-# --- the provider's HTTP side ----------------------------------------------------------------
-
-
-class Recorder:
-    """A MockTransport handler that records requests and answers with ``respond``."""
-
-    def __init__(self, respond: Handler) -> None:
-        self.respond = respond
-        self.requests: list[httpx.Request] = []
-
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        self.requests.append(request)
-        return self.respond(request)
-
-    def client(self) -> httpx.AsyncClient:
-        return httpx.AsyncClient(transport=httpx.MockTransport(self))
-
-
-def raising(exc: Exception) -> Handler:
-    def respond(request: httpx.Request) -> httpx.Response:
-        raise exc
-
-    return respond
-
-
-async def answered(
-    make: Callable[[httpx.AsyncClient], ProviderAdapter],
-    respond: Handler,
-    call: Callable[[ProviderAdapter], Awaitable[Any]],
-) -> tuple[Any, list[httpx.Request]]:
-    """``call`` on an adapter whose provider answers with ``respond``; the result and requests."""
-    recorder = Recorder(respond)
-    async with recorder.client() as client:
-        result = await call(make(client))
-    return result, recorder.requests
-
-
-# What any call does with each answer (query, cancel and lookup; a create has its own table).
-ERROR_CASES: list[tuple[str, Handler, type[ProviderError]]] = [
-    ("429", lambda r: httpx.Response(429, headers={"Retry-After": "7"}), RateLimited),
-    ("500", lambda r: httpx.Response(500, json={"error": "boom"}), ProviderUnavailable),
-    ("502", lambda r: httpx.Response(502, text="bad gateway"), ProviderUnavailable),
-    ("503", lambda r: httpx.Response(503), ProviderUnavailable),
-    ("401", lambda r: httpx.Response(401, json={"error": "no"}), AuthFailed),
-    ("403", lambda r: httpx.Response(403), AuthFailed),
-    ("read_timeout", raising(httpx.ReadTimeout("slow")), ProviderUnavailable),
-    ("connect_error", raising(httpx.ConnectError("refused")), ProviderUnavailable),
-]
-NOT_FOUND: tuple[str, Handler, type[ProviderError]] = (
-    "404",
-    lambda r: httpx.Response(404, json={"error": "not found"}),
-    NotFoundYet,
-)
-MALFORMED_CASES: list[tuple[str, Handler, type[ProviderError]]] = [
-    ("not_json", lambda r: httpx.Response(200, text="<html>oops</html>"), MalformedResponse),
-    ("not_object", lambda r: httpx.Response(200, json=["x"]), MalformedResponse),
-]
-# A create is never retried by the adapter; an answer lost after sending is "unknown".
-SUBMIT_CASES: list[tuple[str, Handler, type[ProviderError]]] = [
-    ("429", lambda r: httpx.Response(429, headers={"Retry-After": "3"}), RateLimited),
-    ("500", lambda r: httpx.Response(500), ProviderUnavailable),
-    ("503", lambda r: httpx.Response(503), ProviderUnavailable),
-    ("401", lambda r: httpx.Response(401), AuthFailed),
-    ("read_timeout", raising(httpx.ReadTimeout("slow")), SubmitOutcomeUnknown),
-    ("reset", raising(httpx.RemoteProtocolError("reset")), SubmitOutcomeUnknown),
-    ("connect_error", raising(httpx.ConnectError("refused")), ProviderUnavailable),
-    ("connect_timeout", raising(httpx.ConnectTimeout("refused")), ProviderUnavailable),
-    *MALFORMED_CASES,
-]
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +99,7 @@ def standard_webhooks(secret: str, body: bytes, *, delivery_id: str, at: int) ->
 # --- the contract ----------------------------------------------------------------------------
 
 
-class ProviderContract:
+class ProviderContract(OutboundContract):
     """What every adapter does, whatever its callbacks (see the module docstring)."""
 
     status_table: ClassVar[Sequence[tuple[str, ProviderStatus]]]
@@ -184,18 +109,8 @@ class ProviderContract:
     progress_cases: ClassVar[Sequence[tuple[object, int | None]]]
     """Raw progress figure -> the clamped one (always None for a provider that reports none)."""
     unknown_status: ClassVar[str] = "exploded"
-    cancels: ClassVar[bool] = True
-    """False: the provider has no cancel (``cancel`` raises :class:`Unsupported`)."""
-    task_id: ClassVar[str] = "job_1"
 
     # -- fixtures a subclass supplies ---------------------------------------------------------
-
-    def make(
-        self, client: httpx.AsyncClient | None = None, *, keys: Sequence[str] = ("k0",)
-    ) -> ProviderAdapter:
-        """The adapter with the callback keys (secrets) named by ``keys`` active, the first
-        being the current one."""
-        raise NotImplementedError
 
     def callback(self, status: str) -> dict[str, Any]:
         """A callback payload (what ``normalize`` reads) with this raw status."""
@@ -211,9 +126,6 @@ class ProviderContract:
 
     def fields(self) -> InboxFields:
         return InboxFields(provider=self.make().name, dedup_key="k")
-
-    def submit_request(self) -> SubmitRequest:
-        return SubmitRequest(client_request_id="cr_1", model="m", prompt="p")
 
     async def arrive(
         self, adapter: ProviderAdapter, body: bytes, delivery_id: str, at: int
@@ -316,61 +228,6 @@ class ProviderContract:
                 lambda r: httpx.Response(200, json=self.query_body(self.unknown_status)),
                 lambda a: a.query(self.task_id),
             )
-
-    # -- outbound errors ---------------------------------------------------------------------
-
-    async def _check(
-        self,
-        cases: Sequence[tuple[str, Handler, type[ProviderError]]],
-        call: Callable[[ProviderAdapter], Awaitable[Any]],
-    ) -> list[list[httpx.Request]]:
-        sent: list[list[httpx.Request]] = []
-        for name, respond, expected in cases:
-            recorder = Recorder(respond)
-            async with recorder.client() as client:
-                with pytest.raises(expected) as caught:
-                    await call(self.make(client))
-            assert len(recorder.requests) == 1, name  # sent once, never retried here
-            error = caught.value
-            if isinstance(error, RateLimited):
-                assert error.retry_after_s in (3.0, 7.0), name
-            if isinstance(error, MalformedResponse):
-                assert "<html>" not in error.sample or len(error.sample) <= 300
-            if isinstance(error, ProviderUnavailable | AuthFailed):
-                assert "boom" not in str(error) and "sk_" not in str(error)
-            sent.append(recorder.requests)
-        return sent
-
-    async def test_query_error_mapping(self) -> None:
-        await self._check(
-            [*ERROR_CASES, NOT_FOUND, *MALFORMED_CASES], lambda a: a.query(self.task_id)
-        )
-
-    async def test_create_is_sent_once_whatever_happens(self) -> None:
-        request = self.submit_request()
-        for requests in await self._check(SUBMIT_CASES, lambda a: a.submit(request)):
-            assert requests[0].method == "POST"
-            assert requests[0].headers["idempotency-key"] == request.client_request_id
-
-    async def _unsupported(self, call: Callable[[ProviderAdapter], Awaitable[Any]]) -> None:
-        """Refused with :class:`Unsupported` before anything is sent."""
-        recorder = Recorder(lambda r: httpx.Response(200))
-        async with recorder.client() as client:
-            with pytest.raises(Unsupported):
-                await call(self.make(client))
-        assert recorder.requests == []
-
-    async def test_cancel_error_mapping(self) -> None:
-        if not self.cancels:
-            await self._unsupported(lambda a: a.cancel(self.task_id))
-            return
-        await self._check(ERROR_CASES, lambda a: a.cancel(self.task_id))
-
-    async def test_lookup_error_mapping(self) -> None:
-        if not self.make().supports_lookup:
-            await self._unsupported(lambda a: a.lookup("cr_1"))
-            return
-        await self._check(ERROR_CASES, lambda a: a.lookup("cr_1"))
 
 
 class CallbackContract(ProviderContract):

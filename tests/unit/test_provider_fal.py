@@ -26,7 +26,8 @@ from aivedio.providers.port import (
     VerificationError,
     Verified,
 )
-from tests.contract.provider_contract import Delivery, SignedCallbackContract, answered
+from tests.contract.provider_contract import Delivery, SignedCallbackContract
+from tests.contract.provider_outbound import answered
 
 KEYS = {"k0": Ed25519PrivateKey.generate(), "k1": Ed25519PrivateKey.generate()}
 KEY = KEYS["k1"]

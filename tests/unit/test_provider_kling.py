@@ -31,7 +31,8 @@ from aivedio.providers.port import (
     Verified,
 )
 from aivedio.providers.verify import mint_callback_token
-from tests.contract.provider_contract import Delivery, TokenCallbackContract, answered
+from tests.contract.provider_contract import Delivery, TokenCallbackContract
+from tests.contract.provider_outbound import answered
 
 TOKEN_SECRET = os.urandom(32)
 TOKEN_SECRETS = {"k0": TOKEN_SECRET, "k1": os.urandom(32)}

@@ -22,9 +22,9 @@ from aivedio.providers.replicate import ReplicateAdapter
 from tests.contract.provider_contract import (
     Delivery,
     SignedCallbackContract,
-    answered,
     standard_webhooks,
 )
+from tests.contract.provider_outbound import answered
 
 SECRET = "whsec_" + base64.b64encode(b"r" * 24).decode()
 SECRETS = {"k0": SECRET, "k1": "whsec_" + base64.b64encode(b"s" * 24).decode()}

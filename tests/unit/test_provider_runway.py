@@ -24,7 +24,8 @@ from aivedio.providers.registry import (
     callback_providers,
 )
 from aivedio.providers.runway import RunwayAdapter
-from tests.contract.provider_contract import PollOnlyContract, answered
+from tests.contract.provider_contract import PollOnlyContract
+from tests.contract.provider_outbound import answered
 
 TASK = "2272f1f2-dbb8-4083-a126-d9a8f0524bb2"
 

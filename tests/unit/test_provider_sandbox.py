@@ -24,9 +24,9 @@ from aivedio.providers.sandbox import SandboxAdapter
 from tests.contract.provider_contract import (
     Delivery,
     SignedCallbackContract,
-    answered,
     standard_webhooks,
 )
+from tests.contract.provider_outbound import answered
 
 SECRET = "whsec_" + base64.b64encode(b"k" * 24).decode()
 SECRETS = {"k0": SECRET, "k1": "whsec_" + base64.b64encode(b"n" * 24).decode()}
