@@ -38,7 +38,7 @@ from aivedio.process.restart import RestartPolicy, restart_delay
 from aivedio.process.supervisor import supervise
 from aivedio.propagation.roles import dispatcher_role, relay_role
 from aivedio.propagation.routing import node_dispatcher_role
-from aivedio.providers.base import ProviderAdapter
+from aivedio.providers.port import ProviderAdapter
 from aivedio.providers.registry import build_providers, providers_config
 from aivedio.reconcile.role import reconciler_loops
 from aivedio.retention.role import maintenance_role

@@ -19,7 +19,7 @@ import httpx
 import uvicorn
 
 from aivedio.db.pool import Database
-from aivedio.providers.base import HttpConfig
+from aivedio.providers.http import HttpConfig
 from aivedio.providers.sandbox import SandboxAdapter
 from aivedio.sandbox import SandboxConfig, create_app
 from tests.waiting import eventually as wait_until

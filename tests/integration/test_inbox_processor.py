@@ -37,8 +37,8 @@ from aivedio.ingest.processor import (
     list_dead_letters,
     replay,
 )
-from aivedio.providers.base import ProviderAdapter, SubmitRequest
 from aivedio.providers.kling import KlingAdapter
+from aivedio.providers.port import ProviderAdapter, SubmitRequest
 from aivedio.providers.registry import callback_providers, versioned
 from aivedio.providers.sandbox import SandboxAdapter
 from aivedio.sandbox import SandboxConfig, create_app

@@ -27,13 +27,9 @@ from starlette.routing import Route
 
 from aivedio.api.http import TraceMiddleware
 from aivedio.db.pool import Database
-from aivedio.ingest.gateway import (
-    CallbackConfig,
-    CallbackEndpoint,
-    StandardWebhooksJson,
-    callback_routes,
-)
+from aivedio.ingest.gateway import CallbackConfig, CallbackEndpoint, callback_routes
 from aivedio.ingest.group_commit import InboxWriter
+from aivedio.providers.standard_webhooks import StandardWebhooksJson
 from aivedio.providers.verify import StandardWebhooksVerifier
 from tests.integration.test_callback_gateway import lean_server
 

@@ -23,7 +23,7 @@ from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.domain.observation import Observation, ProviderObservation, ProviderStatus, Source
 from aivedio.domain.transitions import Outcome, Reason
-from aivedio.providers.base import SubmitResult
+from aivedio.providers.port import SubmitResult
 from aivedio.state.service import ApplyResult, StateService
 from aivedio.submission.submitter import Claimed, Submitter
 from tests.integration.helpers import make_project, make_task, store

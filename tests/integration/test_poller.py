@@ -31,7 +31,8 @@ from aivedio.polling.config import PollerConfig, RateLimitConfig
 from aivedio.polling.policy import Backoff, BreakerConfig, PollPolicy
 from aivedio.polling.poller import Poller, PollRecord
 from aivedio.polling.ratelimit import RateLimiter
-from aivedio.providers.base import HttpConfig, SubmitRequest
+from aivedio.providers.http import HttpConfig
+from aivedio.providers.port import SubmitRequest
 from aivedio.providers.sandbox import SandboxAdapter
 from aivedio.sandbox import SandboxConfig, create_app
 from aivedio.state.service import StateService

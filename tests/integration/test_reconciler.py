@@ -11,7 +11,8 @@ import pytest
 
 from aivedio.db.pool import Database
 from aivedio.errors import Conflict, NotFound
-from aivedio.providers.base import HttpConfig, ProviderAdapter
+from aivedio.providers.http import HttpConfig
+from aivedio.providers.port import ProviderAdapter
 from aivedio.reconcile.config import ReconcilerConfig
 from aivedio.reconcile.items import list_items, resolve_item
 from aivedio.reconcile.reconciler import Reconciler

@@ -16,7 +16,8 @@ import pytest
 
 from aivedio.db.pool import Database
 from aivedio.domain.observation import ProviderObservation, ProviderStatus, Source
-from aivedio.providers.base import HttpConfig, ProviderAdapter
+from aivedio.providers.http import HttpConfig
+from aivedio.providers.port import ProviderAdapter
 from aivedio.reconcile.config import ReconcilerConfig
 from aivedio.reconcile.reconciler import Reconciler
 from aivedio.state.service import StateService

@@ -8,6 +8,7 @@ import hashlib
 import hmac
 import json
 import os
+from collections.abc import Sequence
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -15,7 +16,8 @@ import httpx
 import pytest
 
 from aivedio.domain.observation import ProviderStatus
-from aivedio.providers.base import (
+from aivedio.providers.kling import KlingAdapter
+from aivedio.providers.port import (
     AuthFailed,
     InboxFields,
     MalformedResponse,
@@ -25,20 +27,23 @@ from aivedio.providers.base import (
     Rejected,
     SubmitRequest,
     Unsupported,
+    VerificationError,
+    Verified,
 )
-from aivedio.providers.kling import KlingAdapter
-from aivedio.providers.verify import VerificationError, Verified
-from tests.unit.provider_contract import answered, check_query_errors, check_submit_sent_once
+from aivedio.providers.verify import mint_callback_token
+from tests.contract.provider_contract import Delivery, TokenCallbackContract
+from tests.contract.provider_outbound import answered
 
 TOKEN_SECRET = os.urandom(32)
+TOKEN_SECRETS = {"k0": TOKEN_SECRET, "k1": os.urandom(32)}
 FIELDS = InboxFields(provider="kling", dedup_key="fb:x", payload_authenticated=False)
 
 
-def make(client: httpx.AsyncClient | None = None) -> KlingAdapter:
+def make(client: httpx.AsyncClient | None = None, keys: tuple[str, ...] = ("k0",)) -> KlingAdapter:
     return KlingAdapter(
         access_key="ak_1",
         secret_key="sk_1",
-        callback_token_secrets=(("k0", TOKEN_SECRET),),
+        callback_token_secrets=tuple((key, TOKEN_SECRETS[key]) for key in keys),
         public_url="http://aivedio.test",
         base_url="http://kling.test",
         client=client,
@@ -72,6 +77,35 @@ def envelope(data: dict[str, Any] | None, code: int = 0) -> dict[str, Any]:
         "request_id": "rq",
         "data": data,
     }
+
+
+class TestKlingContract(TokenCallbackContract):
+    status_table = (
+        ("processing", ProviderStatus.RUNNING),
+        ("submitted", ProviderStatus.QUEUED),
+        ("succeed", ProviderStatus.SUCCEEDED),
+        ("failed", ProviderStatus.FAILED),
+    )
+    progress_cases = ((0.5, None), (250, None))  # Kling reports no progress figure
+    task_id = "867283741759111202"
+    cancels = False
+
+    def make(
+        self, client: httpx.AsyncClient | None = None, *, keys: Sequence[str] = ("k0",)
+    ) -> ProviderAdapter:
+        return make(client, tuple(keys))
+
+    def callback(self, status: str) -> dict[str, Any]:
+        return callback(status)
+
+    def query_body(self, status: str) -> Any:
+        return envelope(callback(status))
+
+    def fields(self) -> InboxFields:
+        return FIELDS
+
+    def sign(self, body: bytes, *, delivery_id: str, at: int, key: str) -> Delivery:
+        return Delivery(callback_token=mint_callback_token(TOKEN_SECRETS[key], self.attempt_id))
 
 
 async def test_capabilities_and_token_url() -> None:
@@ -205,8 +239,3 @@ async def test_query_lookup_cancel() -> None:
     assert missing is None
     with pytest.raises(Unsupported):
         await make().cancel("867")
-
-
-async def test_outbound_errors() -> None:
-    await check_submit_sent_once(make, SubmitRequest(client_request_id="c", model="m", prompt="p"))
-    await check_query_errors(make)

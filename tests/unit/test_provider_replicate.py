@@ -4,30 +4,39 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
 import pytest
 
 from aivedio.domain.observation import ProviderStatus
-from aivedio.providers.base import (
+from aivedio.providers.port import (
     InboxFields,
     PayloadError,
     ProviderAdapter,
     SubmitRequest,
+    Verified,
 )
 from aivedio.providers.replicate import ReplicateAdapter
-from aivedio.providers.verify import Verified
-from tests.unit.provider_contract import answered, check_query_errors, check_submit_sent_once
+from tests.contract.provider_contract import (
+    Delivery,
+    SignedCallbackContract,
+    standard_webhooks,
+)
+from tests.contract.provider_outbound import answered
 
 SECRET = "whsec_" + base64.b64encode(b"r" * 24).decode()
+SECRETS = {"k0": SECRET, "k1": "whsec_" + base64.b64encode(b"s" * 24).decode()}
 FIELDS = InboxFields(provider="replicate", dedup_key="msg_1")
 
 
-def make(client: httpx.AsyncClient | None = None) -> ReplicateAdapter:
+def make(
+    client: httpx.AsyncClient | None = None, keys: tuple[str, ...] = ("k0",)
+) -> ReplicateAdapter:
     return ReplicateAdapter(
         api_token="r8_test",
-        webhook_secrets=(("k0", SECRET),),
+        webhook_secrets=tuple((key, SECRETS[key]) for key in keys),
         public_url="http://aivedio.test",
         base_url="http://replicate.test",
         client=client,
@@ -51,6 +60,31 @@ def prediction(status: str = "processing", **extra: Any) -> dict[str, Any]:
         "urls": {"get": "https://api.replicate.com/v1/predictions/ufaw"},
         **extra,
     }
+
+
+class TestReplicateContract(SignedCallbackContract):
+    status_table = (
+        ("processing", ProviderStatus.RUNNING),
+        ("starting", ProviderStatus.QUEUED),
+        ("succeeded", ProviderStatus.SUCCEEDED),
+        ("failed", ProviderStatus.FAILED),
+        ("canceled", ProviderStatus.CANCELED),
+        ("aborted", ProviderStatus.CANCELED),
+    )
+    progress_cases = ((0.5, None), (250, None), ("42%", None))  # no progress figure
+    unknown_status = "booting"
+    task_id = "ufawqhfynnddngldkgtslldrkq"
+
+    def make(
+        self, client: httpx.AsyncClient | None = None, *, keys: Sequence[str] = ("k0",)
+    ) -> ProviderAdapter:
+        return make(client, tuple(keys))
+
+    def callback(self, status: str) -> dict[str, Any]:
+        return prediction(status)
+
+    def sign(self, body: bytes, *, delivery_id: str, at: int, key: str) -> Delivery:
+        return standard_webhooks(SECRETS[key], body, delivery_id=delivery_id, at=at)
 
 
 def test_capabilities() -> None:
@@ -141,11 +175,6 @@ async def test_submit_version_and_model_routes() -> None:
     )
     assert requests[0].url.path == "/v1/models/owner/name/predictions"
     assert "webhook" not in json.loads(requests[0].content)
-
-
-async def test_outbound_errors() -> None:
-    await check_submit_sent_once(make, SubmitRequest(client_request_id="c", model="v", prompt="p"))
-    await check_query_errors(make)
 
 
 async def test_cancel() -> None:

@@ -3,17 +3,29 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
 import pytest
 
 from aivedio.domain.observation import ProviderStatus
-from aivedio.providers.base import InboxFields, ProviderAdapter, Rejected, SubmitRequest
-from aivedio.providers.registry import ProvidersConfig, RunwayConfig, build_providers
+from aivedio.providers.port import (
+    InboxFields,
+    ProviderAdapter,
+    Rejected,
+    SubmitRequest,
+    VerificationError,
+)
+from aivedio.providers.registry import (
+    ProvidersConfig,
+    RunwayConfig,
+    build_providers,
+    callback_providers,
+)
 from aivedio.providers.runway import RunwayAdapter
-from aivedio.providers.verify import VerificationError
-from tests.unit.provider_contract import answered, check_query_errors, check_submit_sent_once
+from tests.contract.provider_contract import PollOnlyContract
+from tests.contract.provider_outbound import answered
 
 TASK = "2272f1f2-dbb8-4083-a126-d9a8f0524bb2"
 
@@ -26,6 +38,37 @@ def task(status: str, **extra: Any) -> dict[str, Any]:
     return {"id": TASK, "status": status, "createdAt": "2024-11-30T07:06:07.912Z", **extra}
 
 
+class TestRunwayContract(PollOnlyContract):
+    status_table = (
+        ("RUNNING", ProviderStatus.RUNNING),
+        ("PENDING", ProviderStatus.QUEUED),
+        ("THROTTLED", ProviderStatus.QUEUED),
+        ("SUCCEEDED", ProviderStatus.SUCCEEDED),
+        ("FAILED", ProviderStatus.FAILED),
+        ("CANCELLED", ProviderStatus.CANCELED),
+    )
+    progress_cases = (
+        (0.0, 0),
+        (0.426, 43),
+        (1.0, 100),
+        (1.7, 100),
+        (-0.2, 0),
+        ("0.5", 50),
+        (None, None),
+        ("x", None),
+        (True, None),
+    )  # fmt: skip  (a fraction 0..1, scaled to percent)
+    task_id = TASK
+
+    def make(
+        self, client: httpx.AsyncClient | None = None, *, keys: Sequence[str] = ("k0",)
+    ) -> ProviderAdapter:
+        return make(client)
+
+    def callback(self, status: str) -> dict[str, Any]:
+        return task(status)
+
+
 async def test_poll_only() -> None:
     adapter: ProviderAdapter = make()
     assert isinstance(adapter, ProviderAdapter)
@@ -35,8 +78,6 @@ async def test_poll_only() -> None:
     built = build_providers(
         ProvidersConfig(public_url="http://x", runway=RunwayConfig(api_key="k"))
     )
-    from aivedio.providers.registry import callback_providers
-
     assert "runway" in built and "runway" not in callback_providers(built)
 
 
@@ -59,16 +100,6 @@ async def test_status_table(raw: str, expected: ProviderStatus) -> None:
     assert requests[0].headers["x-runway-version"] == "2024-11-06"
     assert state.status is expected and state.provider_task_id == TASK
     assert state.output_ref == (f"runway:{TASK}" if raw == "SUCCEEDED" else None)
-
-
-@pytest.mark.parametrize(
-    ("progress", "expected"), [(0.0, 0), (0.426, 43), (1.0, 100), (1.7, 100), (None, None)]
-)
-def test_progress_scaled_from_fraction(progress: float | None, expected: int | None) -> None:
-    body = task("RUNNING", progress=progress)
-    assert (
-        make().normalize(body, InboxFields(provider="runway", dedup_key="k")).progress == expected
-    )
 
 
 @pytest.mark.parametrize(
@@ -117,8 +148,6 @@ async def test_submit_routes_and_rejection() -> None:
     assert caught.value.public_code == "invalid_request"
 
 
-async def test_outbound_errors_and_cancel() -> None:
-    await check_submit_sent_once(make, SubmitRequest(client_request_id="c", model="m", prompt="p"))
-    await check_query_errors(make)
+async def test_cancel() -> None:
     ok, requests = await answered(make, lambda r: httpx.Response(204), lambda a: a.cancel(TASK))
     assert ok and requests[0].method == "DELETE"

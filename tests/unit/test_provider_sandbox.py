@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -11,27 +12,34 @@ import httpx
 import pytest
 
 from aivedio.domain.observation import ProviderStatus, Source
-from aivedio.providers.base import (
+from aivedio.providers.port import (
     InboxFields,
-    MalformedResponse,
     PayloadError,
     ProviderAdapter,
     Rejected,
     SubmitRequest,
+    Verified,
 )
 from aivedio.providers.sandbox import SandboxAdapter
-from aivedio.providers.verify import Verified
-from tests.unit.provider_contract import answered, check_query_errors, check_submit_sent_once
+from tests.contract.provider_contract import (
+    Delivery,
+    SignedCallbackContract,
+    standard_webhooks,
+)
+from tests.contract.provider_outbound import answered
 
 SECRET = "whsec_" + base64.b64encode(b"k" * 24).decode()
+SECRETS = {"k0": SECRET, "k1": "whsec_" + base64.b64encode(b"n" * 24).decode()}
 FIELDS = InboxFields(provider="sandbox", dedup_key="msg_gen_1_1")
 
 
-def make(client: httpx.AsyncClient | None = None) -> SandboxAdapter:
+def make(
+    client: httpx.AsyncClient | None = None, keys: tuple[str, ...] = ("k0",)
+) -> SandboxAdapter:
     return SandboxAdapter(
         base_url="http://sandbox.test/",
         api_key="sk_test",
-        webhook_secrets=(("k0", SECRET),),
+        webhook_secrets=tuple((key, SECRETS[key]) for key in keys),
         public_url="http://aivedio.test",
         client=client,
     )
@@ -53,6 +61,38 @@ def generation(status: str = "running", **extra: Any) -> dict[str, Any]:
 
 def webhook(status: str = "running", **extra: Any) -> dict[str, Any]:
     return {"type": "generation.updated", "data": generation(status, **extra)}
+
+
+class TestSandboxContract(SignedCallbackContract):
+    status_table = (
+        ("running", ProviderStatus.RUNNING),
+        ("queued", ProviderStatus.QUEUED),
+        ("succeeded", ProviderStatus.SUCCEEDED),
+        ("failed", ProviderStatus.FAILED),
+        ("canceled", ProviderStatus.CANCELED),
+    )
+    progress_cases = (
+        (-5, 0), (250, 100), (33.4, 33), ("12", 12), ("42%", 42), (None, None), ("x", None),
+        (True, None), (float("nan"), None),
+    )  # fmt: skip
+    task_id = "gen_1"
+
+    def make(
+        self, client: httpx.AsyncClient | None = None, *, keys: Sequence[str] = ("k0",)
+    ) -> ProviderAdapter:
+        return make(client, tuple(keys))
+
+    def callback(self, status: str) -> dict[str, Any]:
+        return webhook(status)
+
+    def query_body(self, status: str) -> Any:
+        return generation(status)
+
+    def with_progress(self, value: object) -> dict[str, Any]:
+        return webhook(progress=value)
+
+    def sign(self, body: bytes, *, delivery_id: str, at: int, key: str) -> Delivery:
+        return standard_webhooks(SECRETS[key], body, delivery_id=delivery_id, at=at)
 
 
 def test_satisfies_the_port() -> None:
@@ -84,14 +124,6 @@ def test_normalization_table(raw: str, expected: ProviderStatus) -> None:
     assert state.occurred_at == datetime(2026, 1, 1, tzinfo=UTC)
     assert state.output_ref == ("sandbox:gen_1" if raw == "succeeded" else None)
     assert (state.error_code is not None) == (raw == "failed")
-
-
-@pytest.mark.parametrize(
-    ("progress", "expected"),
-    [(-5, 0), (250, 100), (33.4, 33), ("12", 12), (None, None), ("x", None), (True, None)],
-)
-def test_progress_is_clamped(progress: object, expected: int | None) -> None:
-    assert make().normalize(webhook(progress=progress), FIELDS).progress == expected
 
 
 @pytest.mark.parametrize(
@@ -190,22 +222,6 @@ async def test_submit_replay_and_rejection() -> None:
             lambda a: a.submit(request),
         )
     assert caught.value.public_code == "invalid_request"
-
-
-async def test_submit_is_sent_once_whatever_happens() -> None:
-    await check_submit_sent_once(
-        make, SubmitRequest(client_request_id="cr_1", model="m1", prompt="p")
-    )
-
-
-async def test_query_errors() -> None:
-    await check_query_errors(make)
-    with pytest.raises(MalformedResponse):
-        await answered(
-            make,
-            lambda r: httpx.Response(200, json={"id": "gen_1", "status": "weird"}),
-            lambda a: a.query("gen_1"),
-        )
 
 
 async def test_query_normalizes_the_view() -> None:

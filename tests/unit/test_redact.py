@@ -10,7 +10,8 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aivedio.providers.callback import REDACTED, StandardWebhooksJson, redact
+from aivedio.providers.redact import REDACTED, redact
+from aivedio.providers.standard_webhooks import StandardWebhooksJson
 from aivedio.providers.verify import StandardWebhooksVerifier
 
 URL_KEYS = frozenset({"url"})

@@ -28,13 +28,10 @@ from aivedio.providers.jwks import (
     httpx_fetcher,
     parse_jwks,
 )
+from aivedio.providers.port import Reason, VerificationError, Verified, Verifier
 from aivedio.providers.verify import (
     CallbackTokenVerifier,
-    Reason,
     StandardWebhooksVerifier,
-    VerificationError,
-    Verified,
-    Verifier,
     mint_callback_token,
 )
 

@@ -66,8 +66,9 @@ from aivedio.bench.common import (
 from aivedio.config import DatabaseConfig, Settings
 from aivedio.db.pool import Database
 from aivedio.gateway.server import serve_http
-from aivedio.ingest.gateway import CallbackConfig, StandardWebhooksJson, callback_routes
+from aivedio.ingest.gateway import CallbackConfig, callback_routes
 from aivedio.ingest.group_commit import GroupCommitConfig, InboxWriter
+from aivedio.providers.standard_webhooks import StandardWebhooksJson
 from aivedio.providers.verify import StandardWebhooksVerifier
 from aivedio.services.embedded import pgbench_path
 

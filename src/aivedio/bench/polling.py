@@ -61,7 +61,8 @@ from aivedio.polling.buckets import Limit
 from aivedio.polling.config import PollerConfig, RateLimitConfig
 from aivedio.polling.poller import Poller, PollRecord
 from aivedio.polling.ratelimit import RateLimiter, Scope
-from aivedio.providers.base import HttpConfig, ProviderError, SubmitRequest
+from aivedio.providers.http import HttpConfig
+from aivedio.providers.port import ProviderError, SubmitRequest
 from aivedio.providers.sandbox import SandboxAdapter
 from aivedio.runtime import resolve_urls
 from aivedio.state.service import StateService

@@ -69,31 +69,17 @@ from aivedio.ingest.group_commit import (
     Outcome,
 )
 from aivedio.logs import log, new_trace_id, trace_id_var
-from aivedio.providers.callback import (
-    DEFAULT_MAX_BODY_BYTES,
-    CallbackProvider,
-    DedupInfo,
-    StandardWebhooksJson,
-    fallback_dedup_key,
-    redact,
-)
-from aivedio.providers.verify import VerificationError, Verified
+from aivedio.providers.port import CallbackProvider, DedupInfo, VerificationError, Verified
 
 __all__ = [
-    "DEFAULT_MAX_BODY_BYTES",
     "NO_CONTENT",
     "Answer",
     "CallbackConfig",
     "CallbackEndpoint",
-    "CallbackProvider",
     "CallbackRequest",
-    "DedupInfo",
-    "StandardWebhooksJson",
     "callback_endpoint",
     "callback_routes",
-    "fallback_dedup_key",
     "find_callback_endpoint",
-    "redact",
 ]
 
 logger = logging.getLogger("aivedio.ingest")

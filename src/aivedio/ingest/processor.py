@@ -77,7 +77,7 @@ from aivedio.errors import DatabaseUnavailable
 from aivedio.logs import log, trace_id_var
 from aivedio.process import health
 from aivedio.process.parts import RoleLoop, RoleParts
-from aivedio.providers.base import (
+from aivedio.providers.port import (
     InboxFields,
     JobState,
     MalformedResponse,
@@ -86,8 +86,8 @@ from aivedio.providers.base import (
     ProviderAdapter,
     ProviderError,
     RateLimited,
-    sample_of,
 )
+from aivedio.providers.redact import sample_of
 from aivedio.providers.registry import build_providers, providers_config
 from aivedio.runtime import Runtime
 from aivedio.state.service import ApplyResult, StateService

@@ -51,7 +51,7 @@ from aivedio.polling.policy import (
 )
 from aivedio.polling.ratelimit import RateLimiter, Scope, watched
 from aivedio.process import health
-from aivedio.providers.base import (
+from aivedio.providers.port import (
     AuthFailed,
     JobState,
     MalformedResponse,
@@ -60,8 +60,8 @@ from aivedio.providers.base import (
     ProviderError,
     ProviderUnavailable,
     RateLimited,
-    sample_of,
 )
+from aivedio.providers.redact import sample_of
 from aivedio.state.service import StateService
 
 logger = logging.getLogger("aivedio.polling")

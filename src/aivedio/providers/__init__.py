@@ -1,11 +1,17 @@
-"""Provider adapters behind one port (:class:`~aivedio.providers.base.ProviderAdapter`).
+"""Provider adapters behind one port, ``port.py`` (re-exported here).
 
 One module per provider dialect: ``sandbox`` (aivedio's fake provider), ``replicate``, ``fal``,
-``runway`` (poll-only) and ``kling`` (unsigned callbacks); ``registry`` builds them from config.
+``runway`` (poll-only) and ``kling`` (unsigned callbacks), standing on the adapter support
+``common``, ``http``, ``redact`` and the verifiers ``verify`` and ``jwks``; ``registry`` builds
+them from config.
 """
 
-from aivedio.providers.base import (
+from aivedio.providers.port import (
+    DEFAULT_MAX_BODY_BYTES,
     AuthFailed,
+    CallbackProvider,
+    DedupInfo,
+    ImmediateVerifier,
     InboxFields,
     JobState,
     MalformedResponse,
@@ -17,15 +23,23 @@ from aivedio.providers.base import (
     ProviderUnavailable,
     QueryResult,
     RateLimited,
+    Reason,
     Rejected,
     SubmitOutcomeUnknown,
     SubmitRequest,
     SubmitResult,
     Unsupported,
+    VerificationError,
+    Verified,
+    Verifier,
 )
 
 __all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
     "AuthFailed",
+    "CallbackProvider",
+    "DedupInfo",
+    "ImmediateVerifier",
     "InboxFields",
     "JobState",
     "MalformedResponse",
@@ -37,9 +51,13 @@ __all__ = [
     "ProviderUnavailable",
     "QueryResult",
     "RateLimited",
+    "Reason",
     "Rejected",
     "SubmitOutcomeUnknown",
     "SubmitRequest",
     "SubmitResult",
     "Unsupported",
+    "VerificationError",
+    "Verified",
+    "Verifier",
 ]

@@ -1,15 +1,41 @@
-"""What every adapter shares: name, verifier, body limit, HTTP edge, callback URL."""
+"""What every adapter shares: the plumbing (:class:`AdapterBase`: name, verifier, body limit,
+HTTP edge, callback URL) and the helpers that read a provider's JSON into the port's values."""
 
 from __future__ import annotations
 
+import hashlib
+import math
 from collections.abc import Mapping
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
 
-from aivedio.providers.base import HttpConfig, HttpSender, Unsupported, new_client
-from aivedio.providers.callback import DEFAULT_MAX_BODY_BYTES, redact
-from aivedio.providers.verify import Reason, VerificationError, Verified, Verifier
+from aivedio.domain.public import PUBLIC_ERRORS
+from aivedio.providers.http import HttpConfig, HttpSender, new_client
+from aivedio.providers.port import (
+    DEFAULT_MAX_BODY_BYTES,
+    MalformedResponse,
+    Reason,
+    Unsupported,
+    VerificationError,
+    Verified,
+    Verifier,
+)
+from aivedio.providers.redact import redact, sample_of
+
+__all__ = [
+    "CALLBACK_PATH",
+    "AdapterBase",
+    "NoCallbacks",
+    "clamp_progress",
+    "fallback_dedup_key",
+    "mapping_of",
+    "public_code",
+    "require_text",
+    "text_of",
+    "time_of",
+]
 
 CALLBACK_PATH = "/v1/callbacks/{name}"
 
@@ -85,3 +111,83 @@ class NoCallbacks:
         callback_token: str | None = None,
     ) -> Verified:
         raise VerificationError(Reason.BAD_SIGNATURE)
+
+
+# --- reading a provider's JSON ------------------------------------------------------------
+
+
+def clamp_progress(value: object, scale: float = 1.0) -> int | None:
+    """A provider's progress figure as an integer 0..100 (``value * scale``), None when absent
+    or not a finite number. Strings like ``"42%"`` are accepted."""
+    if isinstance(value, str):
+        value = value.strip().removesuffix("%")
+        try:
+            value = float(value)
+        except ValueError:
+            return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    scaled = float(value) * scale
+    if not math.isfinite(scaled):
+        return None
+    return max(0, min(100, round(scaled)))
+
+
+def public_code(code: str | None, table: Mapping[str, str], prefixes: Mapping[str, str]) -> str:
+    """Map a provider error code to a public one: exact match in ``table``, then the longest
+    matching prefix in ``prefixes``, then ``generation_failed``."""
+    if code:
+        if code in table:
+            return table[code]
+        best = max((p for p in prefixes if code.startswith(p)), key=len, default=None)
+        if best is not None:
+            return prefixes[best]
+        if code in PUBLIC_ERRORS:
+            return code
+    return "generation_failed"
+
+
+def text_of(value: object) -> str | None:
+    if isinstance(value, str):
+        return value or None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return None
+
+
+def mapping_of(value: object) -> Mapping[str, Any]:
+    return value if isinstance(value, Mapping) else {}
+
+
+def time_of(value: object, *, millis: bool = False) -> datetime | None:
+    """ISO 8601 (``Z`` allowed) or Unix seconds (milliseconds with ``millis``)."""
+    try:
+        if isinstance(value, str) and 0 < len(value) <= 64:
+            parsed = datetime.fromisoformat(value)
+            return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return datetime.fromtimestamp(value / 1000 if millis else value, UTC)
+    except (ValueError, OverflowError, OSError):
+        return None
+    return None
+
+
+def require_text(body: Mapping[str, Any], key: str) -> str:
+    value = text_of(body.get(key))
+    if value is None:
+        raise MalformedResponse(sample_of(body), f"missing_{key}")
+    return value
+
+
+def fallback_dedup_key(
+    provider_task_id: str | None,
+    event_type: str | None,
+    updated_at: str | None,
+    payload_hash: bytes,
+) -> str:
+    """The key for a provider without a stable event id: a hash of (task id, event type,
+    provider updated_at, payload hash). Two deliveries of the same bytes collapse into one; two
+    different states of a task never do."""
+    parts = [provider_task_id or "", event_type or "", updated_at or "", payload_hash.hex()]
+    digest = hashlib.sha256("\x1f".join(parts).encode("utf-8", "surrogatepass")).hexdigest()
+    return "fb:" + digest

@@ -26,22 +26,27 @@ from urllib.parse import quote
 import httpx
 
 from aivedio.domain.observation import ProviderStatus
-from aivedio.providers.base import (
-    HttpConfig,
+from aivedio.providers.common import (
+    AdapterBase,
+    fallback_dedup_key,
+    public_code,
+    require_text,
+    text_of,
+)
+from aivedio.providers.http import HttpConfig
+from aivedio.providers.port import (
+    DEFAULT_MAX_BODY_BYTES,
+    DedupInfo,
     InboxFields,
     JobState,
     MalformedResponse,
     PayloadError,
     SubmitRequest,
     SubmitResult,
-    public_code,
-    require_text,
-    sample_of,
-    text_of,
+    Verified,
+    Verifier,
 )
-from aivedio.providers.callback import DEFAULT_MAX_BODY_BYTES, DedupInfo, fallback_dedup_key
-from aivedio.providers.common import AdapterBase
-from aivedio.providers.verify import Verified, Verifier
+from aivedio.providers.redact import sample_of
 
 QUEUE_STATUSES: dict[str, ProviderStatus] = {
     "IN_QUEUE": ProviderStatus.QUEUED,

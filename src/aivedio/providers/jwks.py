@@ -21,11 +21,9 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from aivedio.errors import AivedioError
+from aivedio.providers.port import Reason, VerificationError, Verified
 from aivedio.providers.verify import (
     DEFAULT_TOLERANCE_S,
-    Reason,
-    VerificationError,
-    Verified,
     b64url_decode,
     check_id,
     check_tolerance,

@@ -33,9 +33,12 @@ from urllib.parse import quote
 import httpx
 
 from aivedio.domain.observation import ProviderStatus
-from aivedio.providers.base import (
+from aivedio.providers.common import AdapterBase, fallback_dedup_key, mapping_of, text_of, time_of
+from aivedio.providers.http import HttpConfig
+from aivedio.providers.port import (
+    DEFAULT_MAX_BODY_BYTES,
     AuthFailed,
-    HttpConfig,
+    DedupInfo,
     InboxFields,
     JobState,
     MalformedResponse,
@@ -46,14 +49,10 @@ from aivedio.providers.base import (
     SubmitRequest,
     SubmitResult,
     Unsupported,
-    mapping_of,
-    sample_of,
-    text_of,
-    time_of,
+    Verified,
 )
-from aivedio.providers.callback import DEFAULT_MAX_BODY_BYTES, DedupInfo, fallback_dedup_key
-from aivedio.providers.common import AdapterBase
-from aivedio.providers.verify import CallbackTokenVerifier, Verified, mint_callback_token
+from aivedio.providers.redact import sample_of
+from aivedio.providers.verify import CallbackTokenVerifier, mint_callback_token
 
 STATUSES: dict[str, ProviderStatus] = {
     "submitted": ProviderStatus.QUEUED,

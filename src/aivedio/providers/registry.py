@@ -14,11 +14,11 @@ import httpx
 
 from aivedio.config import Settings
 from aivedio.errors import ConfigError
-from aivedio.providers.base import HttpConfig, ProviderAdapter
-from aivedio.providers.callback import DEFAULT_MAX_BODY_BYTES, CallbackProvider
 from aivedio.providers.fal import FalAdapter
+from aivedio.providers.http import HttpConfig
 from aivedio.providers.jwks import FalEd25519Verifier, JwksCache, httpx_fetcher
 from aivedio.providers.kling import KlingAdapter
+from aivedio.providers.port import DEFAULT_MAX_BODY_BYTES, CallbackProvider, ProviderAdapter
 from aivedio.providers.replicate import ReplicateAdapter
 from aivedio.providers.runway import RunwayAdapter
 from aivedio.providers.sandbox import SandboxAdapter

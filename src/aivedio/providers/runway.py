@@ -24,24 +24,28 @@ from typing import Any
 import httpx
 
 from aivedio.domain.observation import ProviderStatus
-from aivedio.providers.base import (
-    HttpConfig,
+from aivedio.providers.common import (
+    AdapterBase,
+    NoCallbacks,
+    clamp_progress,
+    fallback_dedup_key,
+    public_code,
+    require_text,
+    text_of,
+    time_of,
+)
+from aivedio.providers.http import HttpConfig
+from aivedio.providers.port import (
+    DedupInfo,
     InboxFields,
     JobState,
     MalformedResponse,
     PayloadError,
     SubmitRequest,
     SubmitResult,
-    clamp_progress,
-    public_code,
-    require_text,
-    sample_of,
-    text_of,
-    time_of,
+    Verified,
 )
-from aivedio.providers.callback import DedupInfo, fallback_dedup_key
-from aivedio.providers.common import AdapterBase, NoCallbacks
-from aivedio.providers.verify import Verified
+from aivedio.providers.redact import sample_of
 
 API_VERSION = "2024-11-06"
 

@@ -16,25 +16,30 @@ from typing import Any
 import httpx
 
 from aivedio.domain.observation import ProviderStatus
-from aivedio.providers.base import (
-    HttpConfig,
+from aivedio.providers.common import (
+    AdapterBase,
+    clamp_progress,
+    mapping_of,
+    public_code,
+    require_text,
+    text_of,
+    time_of,
+)
+from aivedio.providers.http import HttpConfig
+from aivedio.providers.port import (
+    DEFAULT_MAX_BODY_BYTES,
+    DedupInfo,
     InboxFields,
     JobState,
     MalformedResponse,
     PayloadError,
     SubmitRequest,
     SubmitResult,
-    clamp_progress,
-    mapping_of,
-    public_code,
-    require_text,
-    sample_of,
-    text_of,
-    time_of,
+    Verified,
 )
-from aivedio.providers.callback import DEFAULT_MAX_BODY_BYTES, DedupInfo, StandardWebhooksJson
-from aivedio.providers.common import AdapterBase
-from aivedio.providers.verify import StandardWebhooksVerifier, Verified
+from aivedio.providers.redact import sample_of
+from aivedio.providers.standard_webhooks import StandardWebhooksJson
+from aivedio.providers.verify import StandardWebhooksVerifier
 
 STATUSES: dict[str, ProviderStatus] = {
     "queued": ProviderStatus.QUEUED,

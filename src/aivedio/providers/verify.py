@@ -6,10 +6,11 @@ the gateway answers 401 with a generic body (503 when :attr:`VerificationError.r
 sends the reason to a metric and a log line, never to the caller. Exception messages never hold a
 secret, a signature or a token.
 
-Here: the shared types, Standard Webhooks v1 (HMAC) and callback tokens for unsigned providers;
-fal-style ED25519 with its JWKS cache is in :mod:`aivedio.providers.jwks`. Every check is pure apart
-from the JWKS fetch: no environment reads, no module state, the clock passed in as ``now`` (Unix
-seconds). Headers are a mapping with lower-cased names.
+The types (``Verifier``, ``Verified``, ``VerificationError``, ``Reason``) are part of the provider
+port, :mod:`aivedio.providers.port`. Here: Standard Webhooks v1 (HMAC) and callback tokens for
+unsigned providers; fal-style ED25519 with its JWKS cache is in :mod:`aivedio.providers.jwks`.
+Every check is pure apart from the JWKS fetch: no environment reads, no module state, the clock
+passed in as ``now`` (Unix seconds). Headers are a mapping with lower-cased names.
 Order of checks: headers present, headers well formed, signature, then timestamp window; so
 ``stale_timestamp`` / ``future_timestamp`` mean "genuinely signed, outside the window" (a replay
 or a skewed clock), while forgeries land in ``bad_signature``.
@@ -23,22 +24,10 @@ import hashlib
 import hmac
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from enum import StrEnum
-from typing import Protocol
 
-from aivedio.errors import AivedioError
+from aivedio.providers.port import ImmediateVerifier, Reason, VerificationError, Verified
 
-__all__ = [
-    "CallbackTokenVerifier",
-    "ImmediateVerifier",
-    "Reason",
-    "StandardWebhooksVerifier",
-    "VerificationError",
-    "Verified",
-    "Verifier",
-    "mint_callback_token",
-]
+__all__ = ["CallbackTokenVerifier", "StandardWebhooksVerifier", "mint_callback_token"]
 
 DEFAULT_TOLERANCE_S = 300
 
@@ -48,115 +37,6 @@ _MAX_ID_CHARS = 255
 _MAX_SIGNATURES = 16
 _SHA256_BYTES = 32
 _SHA256_BLOCK = 64
-
-
-class Reason(StrEnum):
-    """Why a callback was rejected. Stable codes: metrics, logs and dashboards key on them."""
-
-    MISSING_HEADERS = "missing_headers"
-    """A header the scheme requires is absent or empty."""
-    MALFORMED_HEADER = "malformed_header"
-    """A header is present but not in the scheme's format (timestamp, signature encoding, id)."""
-    UNSUPPORTED_SCHEME = "unsupported_scheme"
-    """The signature header carries only schemes this verifier does not implement (not ``v1``)."""
-    BAD_SIGNATURE = "bad_signature"
-    """No signature matched any active secret or key."""
-    UNKNOWN_KEY = "unknown_key"
-    """The callback names a key id that is not published, even after a JWKS refresh."""
-    UNEXPECTED_ACCOUNT = "unexpected_account"
-    """Genuinely signed by the provider, but for an account (fal user id) that is not ours."""
-    STALE_TIMESTAMP = "stale_timestamp"
-    """Signed, but the timestamp is older than the tolerance: a replay or a slow retry."""
-    FUTURE_TIMESTAMP = "future_timestamp"
-    """Signed, but the timestamp is further ahead than the tolerance: clock skew."""
-    MISSING_TOKEN = "missing_token"  # noqa: S105 - a reason code, not a credential
-    """The callback URL carries no callback token."""
-    BAD_TOKEN = "bad_token"  # noqa: S105 - a reason code, not a credential
-    """The callback token is malformed or was not minted by us."""
-    KEYS_UNAVAILABLE = "keys_unavailable"
-    """No verification key could be obtained (JWKS unreachable); our fault, retryable."""
-
-
-_RETRYABLE: frozenset[Reason] = frozenset({Reason.KEYS_UNAVAILABLE})
-
-
-class VerificationError(AivedioError):
-    """The callback is not authentic, or could not be checked. ``str()`` is the reason code."""
-
-    def __init__(self, reason: Reason) -> None:
-        super().__init__(reason.value)
-        self.reason = reason
-
-    @property
-    def retryable(self) -> bool:
-        """True when the failure is ours (answer 503 so the provider retries), not the caller's."""
-        return self.reason in _RETRYABLE
-
-
-@dataclass(slots=True, kw_only=True)
-class Verified:
-    """What a successful check established about a callback. A value: never changed once made
-    (not ``frozen``, whose ``__init__`` costs 2.6x as much, once per callback)."""
-
-    key_version: str | None
-    """Label of the secret, JWKS key id or token secret that matched."""
-    event_id: str | None
-    """The provider's delivery id when the scheme signs one (``webhook-id``), else None."""
-    timestamp: int | None
-    """The signed timestamp (Unix seconds), None when the scheme has none."""
-    attempt_id: str | None = None
-    """The attempt a callback token authenticates (callback-token scheme only)."""
-    payload_authenticated: bool = True
-    """False when only the URL was authenticated, not the body: the processor must re-fetch the
-    job from the provider before it changes any state."""
-
-
-class Verifier(Protocol):
-    """One provider's authenticity check, run on the raw bytes before anything is parsed.
-
-    A verifier that never needs to wait (no I/O, no lock) also offers the same check as a plain
-    call, ``verify_now(headers, body, now, *, callback_token=None) -> Verified``
-    (:class:`ImmediateVerifier`): the lean HTTP path then takes a callback from its body to the
-    inbox queue without a coroutine or a task. A verifier without it (JWKS fetches) is awaited
-    in a task of its own.
-    """
-
-    async def verify(
-        self,
-        headers: Mapping[str, str],
-        body: bytes,
-        now: float,
-        *,
-        callback_token: str | None = None,
-    ) -> Verified:
-        """Return what was verified, or raise :class:`VerificationError`."""
-        ...
-
-
-class ImmediateVerifier(Verifier, Protocol):
-    """A :class:`Verifier` whose check never waits. A class that subclasses it writes only
-    ``verify_now``; ``verify`` is that, awaited."""
-
-    def verify_now(
-        self,
-        headers: Mapping[str, str],
-        body: bytes,
-        now: float,
-        *,
-        callback_token: str | None = None,
-    ) -> Verified:
-        """The check as a plain call: what was verified, or :class:`VerificationError`."""
-        ...
-
-    async def verify(
-        self,
-        headers: Mapping[str, str],
-        body: bytes,
-        now: float,
-        *,
-        callback_token: str | None = None,
-    ) -> Verified:
-        return self.verify_now(headers, body, now, callback_token=callback_token)
 
 
 # --- Checks shared by the verifiers (also used by aivedio.providers.jwks) ------------------------

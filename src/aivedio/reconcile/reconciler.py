@@ -49,7 +49,7 @@ from aivedio.domain.statuses import STATUS_TABLE
 from aivedio.ingest.group_commit import expire_processed_payloads
 from aivedio.logs import log, trace_id_var
 from aivedio.process.rounds import run_rounds
-from aivedio.providers.base import NotFoundYet, ProviderAdapter, ProviderError, Unsupported
+from aivedio.providers.port import NotFoundYet, ProviderAdapter, ProviderError, Unsupported
 from aivedio.reconcile.config import ReconcilerConfig
 from aivedio.state.service import StateService
 

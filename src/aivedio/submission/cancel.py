@@ -34,13 +34,7 @@ from aivedio.domain.observation import PlatformKind, PlatformObservation, Source
 from aivedio.domain.statuses import Status
 from aivedio.logs import log, trace_id_var
 from aivedio.process.rounds import backoff, run_rounds
-from aivedio.providers.base import (
-    AuthFailed,
-    ProviderAdapter,
-    ProviderError,
-    Rejected,
-    Unsupported,
-)
+from aivedio.providers.port import AuthFailed, ProviderAdapter, ProviderError, Rejected, Unsupported
 from aivedio.state.service import StateService
 from aivedio.submission.config import CancelConfig
 

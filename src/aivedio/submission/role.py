@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from aivedio.db.pool import Database
 from aivedio.process.parts import RoleLoop
-from aivedio.providers.base import ProviderAdapter
+from aivedio.providers.port import ProviderAdapter
 from aivedio.state.service import StateService
 from aivedio.submission.cancel import CancelWorker
 from aivedio.submission.config import CancelConfig, SubmitterConfig

@@ -47,7 +47,7 @@ from aivedio.domain.observation import PlatformKind, PlatformObservation, Source
 from aivedio.domain.public import PUBLIC_ERRORS
 from aivedio.logs import log, trace_id_var
 from aivedio.process.rounds import backoff, run_rounds
-from aivedio.providers.base import (
+from aivedio.providers.port import (
     AuthFailed,
     MalformedResponse,
     NotFoundYet,
