@@ -69,7 +69,8 @@ EVENTS = Counter(
     ["outcome"],
 )
 REDIS_ERRORS = Counter(
-    "aivedio_dispatch_redis_errors_total", "Fan-out (Redis) publishes that failed (batch nak-ed)"
+    "aivedio_dispatch_redis_errors_total",
+    "Fan-out (Redis) batch publishes that failed (batch nak-ed)",
 )
 LAG_SECONDS = Histogram(
     "aivedio_dispatch_lag_seconds",
