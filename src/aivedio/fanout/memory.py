@@ -103,20 +103,24 @@ class MemorySubscription:
         self.channels.difference_update(channels)
 
     async def next(self, timeout: float = 1.0) -> Message | Subscribed | None:  # noqa: ASYNC109
-        if self._queue.empty():
-            self._check()
-        try:
-            if timeout <= 0:
-                item = self._queue.get_nowait()
-            else:
-                item = await asyncio.wait_for(self._queue.get(), timeout)
-        except (asyncio.QueueEmpty, TimeoutError):
-            return None
-        if isinstance(item, FanoutUnavailable):
-            raise item
-        if isinstance(item, Message) and item.channel not in self.channels:
-            return await self.next(0)  # unsubscribed meanwhile: as if never sent
-        return item
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            if self._queue.empty():
+                self._check()
+            remaining = deadline - loop.time()
+            try:
+                if remaining <= 0:
+                    item = self._queue.get_nowait()
+                else:
+                    item = await asyncio.wait_for(self._queue.get(), remaining)
+            except (asyncio.QueueEmpty, TimeoutError):
+                return None
+            if isinstance(item, FanoutUnavailable):
+                raise item
+            if isinstance(item, Message) and item.channel not in self.channels:
+                continue  # unsubscribed meanwhile: as if never sent
+            return item
 
     async def close(self) -> None:
         self._dead = True
