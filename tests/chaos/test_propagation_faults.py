@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 from aivedio.bus import BusConfig
 from aivedio.bus.jetstream import JetStreamBus
 from aivedio.db.pool import Database
+from aivedio.fanout.redis import RedisFanout
 from aivedio.propagation.dispatcher import (
     DispatcherConfig,
     NotificationDispatcher,
@@ -65,7 +66,7 @@ async def test_nats_outage_state_goes_on_backlog_drains_nothing_lost(
         RelayConfig(poll_interval_s=0.3, retry_base_s=0.2, retry_max_s=1.0, broker_pause_s=0.2),
     )
     dispatcher = NotificationDispatcher(
-        dispatch_bus, client, DispatcherConfig(channel_prefix=prefix, idle_fetch_s=0.3)
+        dispatch_bus, RedisFanout(client), DispatcherConfig(channel_prefix=prefix, idle_fetch_s=0.3)
     )
     try:
         async with running(relay.run, dispatcher.run):

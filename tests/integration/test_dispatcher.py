@@ -14,12 +14,12 @@ import redis.asyncio as aioredis
 
 from aivedio.bus import Bus, BusConfig
 from aivedio.bus.jetstream import JetStreamBus
+from aivedio.fanout.redis import RedisFanout
 from aivedio.propagation.dead_letters import list_dead_letters, replay_dead_letter
 from aivedio.propagation.dispatcher import (
     DispatcherConfig,
     NotificationDispatcher,
     broadcast_channel,
-    redis_client,
 )
 from tests.integration.propagation import Subscriber, bus_config, delete_streams, running
 from tests.proxy import TcpProxy
@@ -82,7 +82,7 @@ async def test_duplicates_and_stale_versions_are_dropped(
     prefix = f"t{uuid.uuid4().hex[:8]}"
     sub = Subscriber(direct_redis, broadcast_channel(prefix))
     await sub.start()
-    dispatcher = NotificationDispatcher(bus, direct_redis, config(prefix))
+    dispatcher = NotificationDispatcher(bus, RedisFanout(direct_redis), config(prefix))
     # Distinct dedup ids: these got past the broker's window (a relay retry hours later, say).
     sends = [("a", 1, 1), ("a", 2, 2), ("a", 2, 2), ("b", 1, 3), ("a", 1, 1), ("a", 3, 4)]
     for i, (task, version, seq) in enumerate(sends):
@@ -120,7 +120,7 @@ async def test_poison_message_is_dead_lettered_and_listed(
     prefix = f"t{uuid.uuid4().hex[:8]}"
     sub = Subscriber(direct_redis, broadcast_channel(prefix))
     await sub.start()
-    dispatcher = NotificationDispatcher(bus, direct_redis, config(prefix))
+    dispatcher = NotificationDispatcher(bus, RedisFanout(direct_redis), config(prefix))
     await bus.publish("task.status", "poison-task", "p-1", b"{not json")
     await bus.publish("task.status", "good", "g-1", event("good", 1, 1))
     try:
@@ -156,10 +156,10 @@ async def test_redis_outage_naks_and_loses_nothing(
     via = parts._replace(netloc=f"127.0.0.1:{proxy.port}").geturl()
     prefix = f"t{uuid.uuid4().hex[:8]}"
     cfg = config(prefix, max_deliver=50)
-    cut_client = redis_client(via, cfg)
+    cut = RedisFanout.from_url(via, timeout_s=cfg.redis_timeout_s)
     sub = Subscriber(direct_redis, broadcast_channel(prefix))
     await sub.start()
-    dispatcher = NotificationDispatcher(bus, cut_client, cfg)
+    dispatcher = NotificationDispatcher(bus, cut, cfg)
     errors_before = redis_errors()
     try:
         async with running(dispatcher.run):
@@ -174,7 +174,7 @@ async def test_redis_outage_naks_and_loses_nothing(
     finally:
         await sub.stop()
         await proxy.cut()
-        await cut_client.aclose()
+        await cut.close()
     assert sorted(sub.pairs()) == [("a", v) for v in range(1, 7)]
 
 

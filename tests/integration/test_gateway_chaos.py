@@ -23,11 +23,11 @@ from aivedio.channels import node_channel
 from aivedio.client import Client, Frame
 from aivedio.db.pool import Database
 from aivedio.domain.observation import ProviderStatus
+from aivedio.fanout.redis import RedisFanout
 from aivedio.propagation.dispatcher import (
     DispatcherConfig,
     NotificationDispatcher,
     broadcast_channel,
-    redis_client,
 )
 from aivedio.propagation.relay import OutboxRelay, RelayConfig
 from aivedio.propagation.routing import NodeRouter, RouterConfig
@@ -202,11 +202,11 @@ async def real_chain(
         redis_timeout_s=0.5,
         redis_probe_s=0.1,
     )
-    client = redis_client(redis_url, dispatch_cfg)
-    router = NodeRouter(client, RouterConfig(prefix=prefix, refresh_s=2.0)) if node else None
+    fanout = RedisFanout.from_url(redis_url, timeout_s=dispatch_cfg.redis_timeout_s)
+    router = NodeRouter(fanout.client, RouterConfig(prefix=prefix, refresh_s=2.0)) if node else None
     loops: list[Callable[[asyncio.Event], Awaitable[None]]] = [
         OutboxRelay(db, bus, RelayConfig(poll_interval_s=0.2)).run,
-        NotificationDispatcher(bus, client, dispatch_cfg, router=router).run,
+        NotificationDispatcher(bus, fanout, dispatch_cfg, router=router).run,
     ]
     if router is not None:
         loops.append(router.run)
@@ -214,7 +214,7 @@ async def real_chain(
         async with running(*loops):
             yield router
     finally:
-        await client.aclose()
+        await fanout.close()
         await bus.close()
         await delete_streams(nats_url, bus_cfg)
 

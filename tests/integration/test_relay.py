@@ -17,6 +17,7 @@ from aivedio.bus.jetstream import JetStreamBus
 from aivedio.bus.port import BusError
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
+from aivedio.fanout.redis import RedisFanout
 from aivedio.propagation.dispatcher import (
     DispatcherConfig,
     NotificationDispatcher,
@@ -88,7 +89,7 @@ async def test_events_flow_end_to_end_in_order(
     sub = Subscriber(redis_client, broadcast_channel(prefix))
     await sub.start()
     relay = OutboxRelay(db, bus, RelayConfig(batch_size=50))
-    dispatcher = NotificationDispatcher(bus, redis_client, dispatcher_config(prefix))
+    dispatcher = NotificationDispatcher(bus, RedisFanout(redis_client), dispatcher_config(prefix))
     state, attempts, expected = await tasks_with_versions(db, 8, 3)
     try:
         async with running(relay.run, dispatcher.run):
@@ -279,7 +280,7 @@ async def test_three_relays_publish_each_task_in_version_order(
     state, attempts, expected = await tasks_with_versions(db, 12, 4)
     small = RelayConfig(batch_size=7, poll_interval_s=0.2)
     relays = [OutboxRelay(db, bus, small) for _ in range(3)]
-    dispatcher = NotificationDispatcher(bus, redis_client, dispatcher_config(prefix))
+    dispatcher = NotificationDispatcher(bus, RedisFanout(redis_client), dispatcher_config(prefix))
     try:
         async with running(dispatcher.run, *(r.run for r in relays)):
             await advance(state, attempts, 3, start=5)  # writers keep going while 3 relays race

@@ -35,6 +35,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import asyncpg
+import redis.asyncio as aioredis
 
 from aivedio.admin import create_project_in
 from aivedio.bench.common import (
@@ -51,11 +52,11 @@ from aivedio.config import DatabaseConfig, Settings, StateConfig
 from aivedio.db.pool import Database
 from aivedio.domain.observation import ProviderObservation, ProviderStatus, Source
 from aivedio.domain.transitions import Outcome
+from aivedio.fanout.redis import RedisFanout
 from aivedio.propagation.dispatcher import (
     DispatcherConfig,
     NotificationDispatcher,
     broadcast_channel,
-    redis_client,
 )
 from aivedio.propagation.relay import OutboxRelay, RelayConfig
 from aivedio.runtime import resolve_urls
@@ -265,13 +266,13 @@ async def _child_main(spec: ChildSpec, ready: Any, go: Any, stop: Any, cpu: Any)
         DatabaseConfig(url=spec.database_url, min_size=1, max_size=spec.relays + 2)
     )
     bus = await connect(spec.bus)
-    client = redis_client(spec.redis_url)
+    fanout = RedisFanout.from_url(spec.redis_url)
     stopping = asyncio.Event()
     relay_cfg = RelayConfig(batch_size=spec.batch, stats_interval_s=3600)
     dispatch_cfg = DispatcherConfig(channel_prefix=spec.prefix, batch_size=spec.batch)
     loops = [OutboxRelay(db, bus, relay_cfg).run for _ in range(spec.relays)]
     loops += [
-        NotificationDispatcher(bus, client, dispatch_cfg).run for _ in range(spec.dispatchers)
+        NotificationDispatcher(bus, fanout, dispatch_cfg).run for _ in range(spec.dispatchers)
     ]
     ready.set()
     # Nobody starts before everybody is connected: the clock starts at ``go``, so a relay that
@@ -285,7 +286,7 @@ async def _child_main(spec: ChildSpec, ready: Any, go: Any, stop: Any, cpu: Any)
     cpu.value = time.process_time() - started  # the work, not the start-up and the shutdown
     stopping.set()
     await asyncio.gather(*jobs, return_exceptions=True)
-    await client.aclose()
+    await fanout.close()
     await bus.close()
     await db.close()
 
@@ -721,7 +722,7 @@ async def _steady(
 
 async def _delete_streams(cfg: BusConfig) -> None:
     if cfg.adapter == "redis-streams":
-        client = redis_client(cfg.url)
+        client = aioredis.Redis.from_url(cfg.url, socket_timeout=2.0, socket_connect_timeout=2.0)
         try:
             keys = [k async for k in client.scan_iter(match=f"{cfg.subject_prefix}:*", count=500)]
             if keys:

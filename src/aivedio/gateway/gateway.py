@@ -6,7 +6,7 @@ Open: connect rate -> parse -> (WebSocket: Origin allow-list) -> authenticate (t
 join the project stream (subscribe FIRST) -> read the position -> replay or ``reset`` -> live.
 WebSocket commands (subscribe, unsubscribe, resume) are handled here too.
 Close: one log line with reason and duration (seed 004).
-Background: the Redis subscription, the heartbeat wheel, the tail check, credential re-checks,
+Background: the fan-out subscription, the heartbeat wheel, the tail check, credential re-checks,
 batched counter releases, polling-interest marks and (node fan-out) this node's routes.
 """
 
@@ -24,6 +24,8 @@ from redis.asyncio import Redis
 from aivedio.channels import node_channel
 from aivedio.db.pool import Database
 from aivedio.errors import DatabaseUnavailable
+from aivedio.fanout import FanoutSubscriber
+from aivedio.fanout.redis import RedisFanout
 from aivedio.gateway import frames, metrics
 from aivedio.gateway.auth import (
     Refused,
@@ -71,6 +73,7 @@ class Gateway:
         redis: Redis | None = None,
         *,
         health: Health | None = None,
+        fanout: FanoutSubscriber | None = None,
     ) -> None:
         self.config = config
         # The background jobs run supervised (restarted when they fail), as loops of the role
@@ -103,8 +106,10 @@ class Gateway:
                 timeout_s=config.redis_timeout_s,
                 on_registered=self._on_registered,
             )
+        # The events arrive by the fan-out: Redis Pub/Sub on the same client unless given.
+        self.fanout = fanout if fanout is not None else RedisFanout(self.redis)
         self.hub = Hub(
-            self.redis,
+            self.fanout,
             self.store,
             config,
             on_subscribed=self._on_subscribed,

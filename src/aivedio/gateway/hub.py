@@ -1,16 +1,16 @@
-"""The node's subscriptions: one Redis Pub/Sub subscription, per-project streams, fan-out.
+"""The node's subscriptions: one fan-out subscription, per-project streams, fan-out.
 
-One subscription for the whole node: the broadcast channel (``fanout="broadcast"``), or only this
-node's own channel ``<prefix>:node:<id>`` (``fanout="node"``: the dispatcher publishes there the
-events of the projects this node registered, see ``routing.py``). Every message is decoded and its
-frame encoded ONCE, then the project's stream hands the same bytes to each of its sessions.
-Redis is at-most-once; the stream's gap repair and the tail check make delivery exact.
+One subscription (:class:`~aivedio.fanout.Subscription`, Redis Pub/Sub in production) for the
+whole node: the broadcast channel (``fanout="broadcast"``), or only this node's own channel
+``<prefix>:node:<id>`` (``fanout="node"``: the dispatcher publishes there the events of the
+projects this node registered, see ``routing.py``). Every message is decoded and its frame
+encoded ONCE, then the project's stream hands the same bytes to each of its sessions. The
+fan-out is at-most-once; the stream's gap repair and the tail check make delivery exact.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import random
@@ -19,10 +19,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from redis.asyncio import Redis
-from redis.asyncio.client import PubSub
-from redis.exceptions import RedisError
-
+from aivedio.fanout import FanoutError, FanoutSubscriber, Message, Subscribed, Subscription
 from aivedio.gateway import metrics
 from aivedio.gateway.config import GatewayConfig
 from aivedio.gateway.frames import make_event, timing_comment
@@ -39,7 +36,7 @@ logger = logging.getLogger("aivedio.gateway")
 class Hub:
     def __init__(
         self,
-        redis: Redis,
+        fanout: FanoutSubscriber,
         store: EventStore,
         config: GatewayConfig,
         on_subscribed: Callable[[], None] = lambda: None,
@@ -47,7 +44,7 @@ class Hub:
         channel: str | None = None,
         on_project: Callable[[uuid.UUID, bool], None] = lambda _project, _watched: None,
     ) -> None:
-        self.redis = redis
+        self.fanout = fanout
         self.store = store
         self.config = config
         self.channel = channel or config.channel  # the one channel this node subscribes to
@@ -103,7 +100,7 @@ class Hub:
     def sessions(self) -> list[Session]:
         return [s for stream in self.streams.values() for s in stream.sessions]
 
-    # -- Redis -----------------------------------------------------------------------------
+    # -- the fan-out -----------------------------------------------------------------------
 
     def on_message(self, data: bytes | str) -> None:
         try:
@@ -139,52 +136,49 @@ class Hub:
         """Keep one subscription to the channel; after every (re)subscribe, a tail check."""
         backoff = 0.1
         while not stopping.is_set():
-            pubsub = self.redis.pubsub()
+            subscription = self.fanout.subscription()
             try:
-                await pubsub.subscribe(self.channel)
+                await subscription.subscribe(self.channel)
                 while not stopping.is_set():
-                    message = await pubsub.get_message(timeout=1.0)
-                    while message is not None:
-                        if message["type"] == "subscribe":
-                            # First subscribe, or redis-py's own reconnect re-subscribed:
+                    event = await subscription.next(timeout=1.0)
+                    while event is not None:
+                        if isinstance(event, Subscribed):
+                            # First subscribe, or the adapter's own reconnect re-subscribed:
                             # messages may have been lost in between.
                             metrics.REDIS_RECONNECTS.inc()
                             health.recovered()
                             self.subscribed.set()
                             self.on_subscribed()
                             backoff = 0.1
-                            message = None
-                        elif message["type"] == "message":
-                            message = await self._deliver_arrived(pubsub, message["data"])
+                            event = None
                         else:
-                            message = None
-            except (RedisError, OSError, TimeoutError) as exc:
+                            event = await self._deliver_arrived(subscription, event.data)
+            except FanoutError as exc:
                 self.subscribed.clear()
                 log(logger, logging.WARNING, "pub/sub connection lost", error=repr(exc))
-                health.outage("redis", exc)
+                health.outage(self.fanout.service, exc)
                 await asyncio.sleep(random.uniform(0, backoff))
                 backoff = min(backoff * 2, 5.0)
             finally:
-                with contextlib.suppress(RedisError, OSError, TimeoutError):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                await subscription.close()
 
-    async def _deliver_arrived(self, pubsub: PubSub, first: bytes) -> dict[str, Any] | None:
+    async def _deliver_arrived(self, subscription: Subscription, first: bytes) -> Subscribed | None:
         """Deliver ``first`` at once, then every message that has already arrived behind it (up
         to ``max_corked``) in one ``corked()`` scope: when the node fell behind, each connection
         gets the frames of several events in one write. Nothing waits for a message that has not
         arrived, so a node that keeps up delivers every event alone, at once. Returns a
-        non-data message met on the way (a re-subscribe), for the caller to handle next."""
+        re-subscribe met on the way, for the caller to handle next."""
         self.on_message(first)
         batch: list[bytes] = []
-        other: dict[str, Any] | None = None
+        other: Subscribed | None = None
         while len(batch) < self.config.max_corked - 1:
-            message = await pubsub.get_message(timeout=0.0)
-            if message is None:
+            event = await subscription.next(timeout=0.0)
+            if event is None:
                 break
-            if message["type"] != "message":
-                other = message
+            if not isinstance(event, Message):
+                other = event
                 break
-            batch.append(message["data"])
+            batch.append(event.data)
         if batch:
             with corked():
                 for data in batch:

@@ -1,11 +1,13 @@
-"""The notification dispatcher: bus ``task.status`` -> Redis Pub/Sub, for the gateways.
+"""The notification dispatcher: bus ``task.status`` -> the fan-out (Redis Pub/Sub), for the
+gateways.
 
 Consumes the topic as the durable group ``dispatcher`` (any number of replicas share it). For each
 fetched batch: parse every delivery, drop the ones whose ``(task_id, task_version)`` is not newer
-than the highest version this replica already published for that task (a bounded LRU), PUBLISH the
-rest with one Redis call (a Lua script looping over PUBLISH: one reply per batch), and ack the
-whole batch only after Redis answered. If Redis is unreachable, the batch is nak-ed with a delay
-and fetching pauses until Redis answers a PING: the events are still on the bus, and in
+than the highest version this replica already published for that task (a bounded LRU), publish the
+rest as one fan-out batch (:class:`~aivedio.fanout.FanoutPublisher`; on Redis one call, a Lua
+script looping over PUBLISH: one reply per batch, see :mod:`aivedio.fanout.redis`), and ack the
+whole batch only after the fan-out answered. If it is unreachable, the batch is nak-ed with a
+delay and fetching pauses until it answers a ping: the events are still on the bus, and in
 PostgreSQL for any browser that reconnects.
 
 What reaches Redis (one JSON object per event; :func:`routed_message`)::
@@ -40,12 +42,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import orjson
-import redis.asyncio as aioredis
-import redis.exceptions
 from prometheus_client import Counter, Histogram
 
 from aivedio.bus import Bus, BusClosed, BusError, BusUnavailable, Consumer, Delivery
 from aivedio.channels import DEFAULT_PREFIX, broadcast_channel
+from aivedio.fanout import FanoutError, FanoutPublisher
 from aivedio.logs import log
 from aivedio.process import health
 
@@ -68,7 +69,8 @@ EVENTS = Counter(
     ["outcome"],
 )
 REDIS_ERRORS = Counter(
-    "aivedio_dispatch_redis_errors_total", "Redis pipelines that failed (batch nak-ed)"
+    "aivedio_dispatch_redis_errors_total",
+    "Fan-out (Redis) batch publishes that failed (batch nak-ed)",
 )
 LAG_SECONDS = Histogram(
     "aivedio_dispatch_lag_seconds",
@@ -81,8 +83,6 @@ BATCH_SECONDS = Histogram(
     buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
 )
 
-REDIS_ERRORS_CAUGHT: tuple[type[BaseException], ...] = (redis.exceptions.RedisError, OSError)
-
 
 @dataclass(frozen=True, slots=True)
 class DispatcherConfig:
@@ -94,9 +94,9 @@ class DispatcherConfig:
     lru_size: int = 100_000  # tasks whose highest published version is remembered
     max_deliver: int = 5  # the bus's; a malformed event is dead-lettered on its last delivery
     malformed_delay_s: float = 1.0  # nak delay of an event this replica cannot read
-    redis_nak_delay_s: float = 0.5
-    redis_timeout_s: float = 2.0
-    redis_probe_s: float = 0.5  # PING interval while Redis is unreachable
+    redis_nak_delay_s: float = 0.5  # nak delay of a batch the fan-out did not take
+    redis_timeout_s: float = 2.0  # the fan-out client's socket timeouts (RedisFanout.from_url)
+    redis_probe_s: float = 0.5  # ping interval while the fan-out is unreachable
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,16 +213,6 @@ class VersionFilter:
 
 Router = Callable[[RoutedEvent], Sequence[str]]
 
-# One round trip and ONE reply per batch: a pipeline of n PUBLISH commands costs the client n
-# replies to parse (redis-py parses in Python: 21 % of the dispatcher's CPU while draining).
-# ARGV = channel, message, channel, message, ...; returns the number of messages published.
-PUBLISH_ALL = """
-for i = 1, #ARGV, 2 do
-    redis.call('PUBLISH', ARGV[i], ARGV[i + 1])
-end
-return #ARGV / 2
-"""
-
 
 class NotificationDispatcher:
     """One dispatcher replica. ``run(stopping)`` consumes until ``stopping`` is set."""
@@ -230,25 +220,25 @@ class NotificationDispatcher:
     def __init__(
         self,
         bus: Bus,
-        redis_client: aioredis.Redis,
+        fanout: FanoutPublisher,
         config: DispatcherConfig | None = None,
         *,
         router: Router | None = None,
     ) -> None:
         self.bus = bus
-        self.redis = redis_client
+        self.fanout = fanout
         self.config = config or DispatcherConfig()
         channel = broadcast_channel(self.config.channel_prefix)
         self.router: Router = router or (lambda _event: (channel,))
         self.versions = VersionFilter(self.config.lru_size)
+        self._failure: FanoutError | None = None  # the last failed publish, for health
         self._consumer: Consumer | None = None
-        self._publish_all = redis_client.register_script(PUBLISH_ALL)
 
     async def run(self, stopping: asyncio.Event) -> None:
         """Fetch, publish, ack, in order. The next batch is fetched while this one is published
         (one pull request ahead), so events arriving meanwhile do not wait for a round trip to
         the broker after the acks. One consumer, batches handled one after the other: one
-        task's events reach Redis in the order they were stored."""
+        task's events reach the fan-out in the order they were stored."""
         cfg = self.config
         failures = 0
         ahead: asyncio.Task[list[Delivery]] | None = None
@@ -278,12 +268,12 @@ class NotificationDispatcher:
                 if await self.handle(deliveries):
                     health.recovered()
                 else:
-                    # Redis is away: what was fetched meanwhile goes back to the bus too.
-                    health.outage("redis", "RedisError")
+                    # The fan-out is away: what was fetched meanwhile goes back to the bus too.
+                    health.outage(self.fanout.service, self._failure or "FanoutUnavailable")
                     fetching, ahead = ahead, None
                     with contextlib.suppress(BusError):
                         await self._settle(await fetching, nak_delay=cfg.redis_nak_delay_s)
-                    await self._wait_for_redis(stopping)
+                    await self._wait_for_fanout(stopping)
         finally:
             if ahead is not None:  # stopping: its deliveries come back after the ack wait
                 ahead.cancel()
@@ -297,7 +287,7 @@ class NotificationDispatcher:
         return await consumer.fetch(self.config.batch_size, timeout=self.config.idle_fetch_s)
 
     async def handle(self, deliveries: Sequence[Delivery]) -> bool:
-        """Publish one batch to Redis and settle every delivery; ``False`` if Redis failed."""
+        """Publish one batch to the fan-out and settle every delivery; ``False`` if it failed."""
         started = time.perf_counter()
         cfg = self.config
         publish: list[tuple[Delivery, RoutedEvent]] = []
@@ -324,21 +314,22 @@ class NotificationDispatcher:
             publish.append((d, event))
         if publish:
             try:
-                args: list[str | bytes] = []
+                messages: list[tuple[str, bytes]] = []
                 dispatched = time.time()
                 for _, event in publish:
                     body = routed_message(event, dispatched)
                     for channel in self.router(event):
-                        args += (channel, body)
-                if args:
-                    await self._publish_all(args=args)
-            except REDIS_ERRORS_CAUGHT as exc:
+                        messages.append((channel, body))
+                if messages:
+                    await self.fanout.publish_many(messages)
+            except FanoutError as exc:
+                self._failure = exc
                 REDIS_ERRORS.inc()
                 EVENTS.labels("retried").inc(len(publish))
                 log(
                     logger,
                     logging.WARNING,
-                    "redis publish failed",
+                    "fan-out publish failed",
                     error=repr(exc),
                     trace_ids=sorted({e.trace_id for _, e in publish if e.trace_id}),
                 )
@@ -354,7 +345,7 @@ class NotificationDispatcher:
                 log(
                     logger,
                     logging.DEBUG,
-                    "events published to redis",
+                    "events published to the fan-out",
                     events=[
                         {"task_id": e.task_id, "seq": e.seq, "trace_id": e.trace_id}
                         for _, e in publish
@@ -389,28 +380,18 @@ class NotificationDispatcher:
                 log(logger, logging.WARNING, "settling a delivery failed", error=str(exc))
                 return
 
-    async def _wait_for_redis(self, stopping: asyncio.Event) -> None:
-        """Fetch nothing more until Redis answers: every fetch would only burn a delivery."""
+    async def _wait_for_fanout(self, stopping: asyncio.Event) -> None:
+        """Fetch nothing more until the fan-out answers: every fetch would only burn a
+        delivery."""
         while not stopping.is_set():
             await _pause(stopping, self.config.redis_probe_s)
             try:
-                await self.redis.ping()
-            except REDIS_ERRORS_CAUGHT:
+                await self.fanout.ping()
+            except FanoutError:
                 continue
-            log(logger, logging.INFO, "redis reachable again")
+            log(logger, logging.INFO, "fan-out reachable again", service=self.fanout.service)
+            self._failure = None
             return
-
-
-def redis_client(url: str, config: DispatcherConfig | None = None) -> aioredis.Redis:
-    """A Redis client that fails fast (the dispatcher retries by itself)."""
-    timeout = (config or DispatcherConfig()).redis_timeout_s
-    client: aioredis.Redis = aioredis.Redis.from_url(
-        url,
-        socket_timeout=timeout,
-        socket_connect_timeout=timeout,
-        health_check_interval=10,
-    )
-    return client
 
 
 async def _pause(stopping: asyncio.Event, seconds: float) -> None:

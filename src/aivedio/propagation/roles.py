@@ -16,15 +16,11 @@ from typing import TYPE_CHECKING
 
 from aivedio.bus import Bus, BusConfig, BusUnavailable
 from aivedio.bus.connect import connect
+from aivedio.fanout.redis import RedisFanout
 from aivedio.logs import log
 from aivedio.process import health
 from aivedio.process.parts import RoleLoop, RoleParts
-from aivedio.propagation.dispatcher import (
-    DispatcherConfig,
-    NotificationDispatcher,
-    Router,
-    redis_client,
-)
+from aivedio.propagation.dispatcher import DispatcherConfig, NotificationDispatcher, Router
 from aivedio.propagation.relay import OutboxRelay, RelayConfig
 from aivedio.runtime import Runtime
 
@@ -108,13 +104,14 @@ async def dispatcher_role(
         bus = await connect_bus(bus_cfg, stopping)
         if bus is None:
             return
-        client = redis_client(rt.urls.redis_url, cfg)
+        fanout = RedisFanout.from_url(rt.urls.redis_url, timeout_s=cfg.redis_timeout_s)
         try:
-            routing = router(client, stopping) if router else contextlib.nullcontext(None)
+            # The node router reads the route registry on the fan-out's Redis client.
+            routing = router(fanout.client, stopping) if router else contextlib.nullcontext(None)
             async with routing as routes:
-                await NotificationDispatcher(bus, client, cfg, router=routes).run(stopping)
+                await NotificationDispatcher(bus, fanout, cfg, router=routes).run(stopping)
         finally:
-            await client.aclose()
+            await fanout.close()
             await bus.close()
 
     return RoleParts(loops=[RoleLoop("dispatcher", loop)])

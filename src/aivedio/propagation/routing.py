@@ -7,7 +7,9 @@ local map
 ``project -> {node: expiry}``, fed by the change announcements and by a full read of the set at
 start, after every (re)subscribe and every ``refresh_s``. A full read adds and extends entries;
 entries disappear by a ``-`` announcement or when their own expiry passes, so a Redis restart
-(which empties the set until the gateways re-register) does not interrupt routing.
+(which empties the set until the gateways re-register) does not interrupt routing. The
+announcements arrive by the fan-out port (:mod:`aivedio.fanout`: Redis Pub/Sub on the router's
+client unless another subscriber is given).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from redis.exceptions import RedisError
 from aivedio.bus.port import BusConfig
 from aivedio.channels import DEFAULT_PREFIX, node_channel, routes_changed_channel, routes_key
 from aivedio.db.wakeup import wait_any
+from aivedio.fanout import FanoutError, FanoutSubscriber, Message, Subscribed
+from aivedio.fanout.redis import RedisFanout
 from aivedio.logs import log
 from aivedio.process.parts import RoleParts
 from aivedio.propagation.dispatcher import DispatcherConfig, RoutedEvent
@@ -76,8 +80,15 @@ class NodeRouter:
     """``project -> node channels`` for the dispatcher, answered from a local map (synchronous,
     called per event inside the publish pipeline); ``run`` keeps the map fresh."""
 
-    def __init__(self, redis: Redis, config: RouterConfig | None = None) -> None:
-        self.redis = redis
+    def __init__(
+        self,
+        redis: Redis,
+        config: RouterConfig | None = None,
+        *,
+        fanout: FanoutSubscriber | None = None,
+    ) -> None:
+        self.redis = redis  # the route registry (a sorted set)
+        self.fanout = fanout if fanout is not None else RedisFanout(redis)  # its announcements
         self.config = config or RouterConfig()
         self.ready = asyncio.Event()  # set after the first full read
         self._nodes: dict[str, dict[str, float]] = {}  # project -> node -> expiry (unix s)
@@ -196,26 +207,22 @@ class NodeRouter:
         backoff = 0.1
         channel = routes_changed_channel(self.config.prefix)
         while not stopping.is_set():
-            pubsub = self.redis.pubsub()
+            subscription = self.fanout.subscription()
             try:
-                await pubsub.subscribe(channel)
+                await subscription.subscribe(channel)
                 while not stopping.is_set():
-                    message = await pubsub.get_message(timeout=1.0)
-                    if message is None:
-                        continue
-                    if message["type"] == "subscribe":
+                    event = await subscription.next(timeout=1.0)
+                    if isinstance(event, Subscribed):
                         self._refresh_now.set()  # announcements may have been missed
                         backoff = 0.1
-                    elif message["type"] == "message":
-                        data = message["data"]
-                        self.apply(data.decode() if isinstance(data, bytes) else str(data))
-            except REDIS_DOWN as exc:
+                    elif isinstance(event, Message):
+                        self.apply(event.data.decode(errors="replace"))
+            except FanoutError as exc:
                 log(logger, logging.WARNING, "route announcements lost", error=repr(exc))
                 await _wait(asyncio.Event(), stopping, random.uniform(0, backoff))
                 backoff = min(backoff * 2, 5.0)
             finally:
-                with contextlib.suppress(*REDIS_DOWN):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]
+                await subscription.close()
 
 
 @contextlib.asynccontextmanager
