@@ -18,7 +18,7 @@ from aivedio.gateway.queue import PendingQueue
 from aivedio.gateway.resume import reset_reason
 from aivedio.gateway.session import Identity, Session
 from aivedio.gateway.store import Position
-from aivedio.gateway.transport import RecordingTransport
+from tests.fakes.transport import RecordingTransport
 
 T1, T2 = str(uuid.uuid4()), str(uuid.uuid4())
 
@@ -189,6 +189,25 @@ def test_unwritable_session_queues_then_evicts_as_slow() -> None:
         s.deliver(ev(n, status="ready", stage="done"))
     assert transport.closed is CloseReason.SLOW
     assert owner.forgotten == [CloseReason.SLOW]
+    s.deliver(ev(9))
+    assert transport.refused == []  # a closed session writes nothing more
+
+
+def test_the_socket_events_of_the_fake_reach_the_session() -> None:
+    transport, owner = RecordingTransport(), Owner()
+    s = session(transport, owner)
+    transport.session = s
+    s.go_live()
+    transport.stall()
+    s.deliver(ev(1))
+    assert transport.frames == [] and s.paused_at is not None
+    transport.drain()
+    assert transport.frames == [ev(1).frame] and s.paused_at is None
+    transport.hang_up()
+    assert s.closed is CloseReason.CLIENT_GONE
+    assert owner.forgotten == [CloseReason.CLIENT_GONE]
+    s.deliver(ev(2))
+    assert transport.frames == [ev(1).frame] and transport.refused == []
 
 
 class _Stream:

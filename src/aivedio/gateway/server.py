@@ -9,7 +9,8 @@ the connection back here when a request for anything else follows), anything els
 with the bytes already read, to uvicorn's own HTTP protocol (h11 or httptools) built with the same
 config and server state, exactly as uvicorn's ``AutoZttpProtocol`` hands over after sniffing. So
 uvicorn keeps everything it does (signals aside, which the process owns): Date headers, keep-alive,
-graceful shutdown of ASGI connections.
+graceful shutdown of ASGI connections. Every uvicorn internal this relies on is reached through
+:mod:`aivedio.gateway.uvicorn_internals`, which ``serve_http`` probes before uvicorn starts.
 """
 
 from __future__ import annotations
@@ -21,15 +22,13 @@ import socket
 from collections.abc import Iterator
 from typing import Any, Literal, cast
 
-import h11
 import uvicorn
-from uvicorn.protocols.http.auto import AutoHTTPProtocol
-from uvicorn.server import ServerState
 
-from aivedio.gateway import frames
+from aivedio.gateway import frames, uvicorn_internals
 from aivedio.gateway.gateway import Gateway
 from aivedio.gateway.protocol import PREFIX, is_events_target, is_ws_target, request_line
 from aivedio.gateway.transport import SseTransport
+from aivedio.gateway.uvicorn_internals import AutoHTTPProtocol, ServerState
 from aivedio.gateway.websocket import WsTransport
 from aivedio.ingest.gateway import find_callback_endpoint
 from aivedio.ingest.http import CallbackServer
@@ -139,13 +138,7 @@ class SniffingProtocol(asyncio.Protocol):
 
     def _inner_idle(self) -> bool:
         """uvicorn's protocol is between requests: the next bytes start a new request."""
-        cycle = getattr(self.inner, "cycle", None)
-        if cycle is not None and (not cycle.response_complete or cycle.more_body):
-            return False
-        conn = getattr(self.inner, "conn", None)  # the h11 implementation
-        if conn is not None and hasattr(conn, "their_state"):
-            return bool(conn.their_state is h11.IDLE and conn.our_state is h11.IDLE)
-        return True
+        return uvicorn_internals.idle(self.inner)
 
     def _stop_timer(self) -> None:
         if self.timer is not None:
@@ -156,11 +149,8 @@ class SniffingProtocol(asyncio.Protocol):
         self._stop_timer()
         assert self.transport is not None
         if self.inner is None:
-            self.inner = self.inner_class(  # type: ignore[call-arg]
-                config=self.config,
-                server_state=self.server_state,
-                app_state=self.app_state,
-                _loop=self.loop,
+            self.inner = uvicorn_internals.http_protocol(
+                self.inner_class, self.config, self.server_state, self.app_state, self.loop
             )
             self.inner.connection_made(self.transport)
         buffer, self.buffer = self.buffer, b""
@@ -168,13 +158,8 @@ class SniffingProtocol(asyncio.Protocol):
 
     def _detach_inner(self) -> None:
         inner, self.inner = self.inner, None
-        if inner is None:
-            return
-        keep_alive = getattr(inner, "timeout_keep_alive_task", None)
-        if keep_alive is not None:
-            keep_alive.cancel()  # it would close the socket the stream now owns
-            inner.timeout_keep_alive_task = None
-        self.server_state.connections.discard(inner)
+        if inner is not None:
+            uvicorn_internals.detach(inner, self.server_state)
 
     def _to_callbacks(self) -> None:
         self._stop_timer()
@@ -182,7 +167,7 @@ class SniffingProtocol(asyncio.Protocol):
         assert self.transport is not None
         assert self.callbacks is not None
         protocol = self.callbacks.connection(
-            self.transport, self.take_back, self.server_state.connections
+            self.transport, self.take_back, uvicorn_internals.connections(self.server_state)
         )
         self.transport.set_protocol(protocol)
         buffer, self.buffer = self.buffer, b""
@@ -303,6 +288,7 @@ async def serve_http(
     ``shutdown``, spread over ``drain_s``) before uvicorn's own graceful shutdown (which also
     lets callback connections answer what they read, then closes them).
     """
+    uvicorn_internals.probe()  # a clear error now rather than a broken connection later
     if callbacks == "auto":
         callbacks = callback_server(app, float(options.get("timeout_keep_alive", 5)))
     config = http_config(app, host, port, gateway, callbacks, **options)

@@ -3,7 +3,9 @@
 A transport is deliberately small: pick its encoding of an event, write one pre-encoded frame,
 write many, ping, say whether the peer is overdue, close with a named reason, say whether the
 socket is writable. The session logic (ordering, filtering, queueing, timers) lives in
-``session.py`` and is tested against ``RecordingTransport`` without sockets.
+``session.py`` and is tested against ``tests/fakes/transport.py``'s ``RecordingTransport``
+without sockets. ``tests/contract/transport_contract.py`` is what the port promises: SSE and
+WebSocket over real sockets and the fake pass it.
 """
 
 from __future__ import annotations
@@ -190,36 +192,3 @@ class SseTransport(SessionProtocol):
             self._closed = True
             self.transport.write(frames.error_response(status, code, message, headers))
             self.transport.close()
-
-
-class RecordingTransport:
-    """A fake that records what was written; ``writable`` and ``late`` are settable."""
-
-    kind = "test"
-
-    def __init__(self) -> None:
-        self.frames: list[bytes] = []
-        self.closed: CloseReason | None = None
-        self.writable = True
-        self.late: CloseReason | None = None
-
-    def ping(self, now: float, sse_ping: bytes) -> None:
-        self.write(sse_ping)
-
-    def overdue(self, now: float) -> CloseReason | None:
-        return self.late
-
-    def frame_of(self, event: Event) -> bytes:
-        return event.frame
-
-    def write(self, frame: bytes) -> None:
-        assert self.closed is None
-        self.frames.append(frame)
-
-    def write_many(self, frames: Sequence[bytes]) -> None:
-        for frame in frames:
-            self.write(frame)
-
-    def close(self, reason: CloseReason) -> None:
-        if self.closed is None:
-            self.closed = reason
