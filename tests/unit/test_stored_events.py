@@ -8,9 +8,10 @@ import uuid
 
 import pytest
 
-from aivedio.domain.public import public_event, stored_event, stored_payload
+from aivedio.domain.public import public_event, stored_event
 from aivedio.domain.statuses import Status
 from aivedio.gateway.frames import PUBLIC_FIELDS, event_of, make_event
+from aivedio.state.events import stored_payload
 
 TASK = uuid.UUID("6f0a3a49-3a4c-4a39-9a3c-1c2b3d4e5f60")
 ASSET = uuid.UUID("0b7c1d2e-3f40-4152-8637-48596a7b8c9d")

@@ -198,7 +198,7 @@ _FILL_DAY = """
 INSERT INTO task_events (project_id, epoch, seq, task_id, task_version, public_payload, source,
                          trace_id, created_at)
 SELECT p.project_id, p.epoch, n.seq, n.task_id, n.version,
-       -- as write_event stores it (domain.public.stored_payload): compact, no identity fields
+       -- as write_event stores it (state.events.stored_payload): compact, no identity fields
        format('{"status":"running","stage":"generating","progress":%s}', n.seq % 100)::json,
        -- a traceparent's 16 bytes (aivedio's own ids have 12)
        'webhook', decode(md5(n.seq::text || p.project_id::text), 'hex'), n.at

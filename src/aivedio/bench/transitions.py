@@ -42,11 +42,11 @@ from aivedio.config import DatabaseConfig, Settings
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.domain.observation import ProviderObservation, ProviderStatus, Source
-from aivedio.domain.public import public_event, stored_payload
+from aivedio.domain.public import public_event
 from aivedio.domain.statuses import STATUS_TABLE, Status
 from aivedio.domain.transitions import Outcome, TaskChange
 from aivedio.services.embedded import pgbench_path
-from aivedio.state.events import TaskRef, domain_payload
+from aivedio.state.events import TaskRef, domain_payload, stored_payload
 from aivedio.state.service import StateService
 from aivedio.state.tasks import NewTask, Principal, TaskStore
 

@@ -162,7 +162,7 @@ CREATE TABLE task_events (
     seq             BIGINT      NOT NULL,
     task_id         UUID        NOT NULL,
     task_version    BIGINT      NOT NULL,
-    public_payload  JSON        NOT NULL,   -- domain.public.stored_payload (migration 0016)
+    public_payload  JSON        NOT NULL,   -- state.events.stored_payload (migration 0016)
     source          TEXT        NOT NULL,
     trace_id        BYTEA,                  -- the bytes of trc_<hex> (aivedio.logs)
     created_at      TIMESTAMPTZ NOT NULL DEFAULT now(),

@@ -5,7 +5,6 @@ Provider raw errors, URLs with credentials, costs and internal routing never pas
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any
 
@@ -70,16 +69,15 @@ def public_event(
     }
 
 
-def stored_payload(event: dict[str, Any]) -> str:
-    """The payload a ``task_events`` row stores for a public event (as compact JSON text):
-    without what the row's columns say (``task_id``, ``task_version``, the seq) and without
-    null fields. :func:`stored_event` adds them back."""
-    kept = {
+def stored_fields(event: dict[str, Any]) -> dict[str, Any]:
+    """What a ``task_events`` row stores of a public event (``state.events.stored_payload``
+    writes it as compact JSON): not what the row's columns say (``task_id``, ``task_version``,
+    the seq) and no null field. :func:`stored_event` adds them back."""
+    return {
         k: v
         for k, v in event.items()
         if v is not None and k not in ("task_id", "task_version", "event_id")
     }
-    return json.dumps(kept, separators=(",", ":"))
 
 
 def stored_event(

@@ -14,7 +14,6 @@ the event.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,9 +21,10 @@ from datetime import datetime
 from typing import Any
 
 import asyncpg
+import orjson
 
 from aivedio.db.queries import q
-from aivedio.domain.public import public_event, stored_payload
+from aivedio.domain.public import public_event, stored_fields
 from aivedio.domain.statuses import STATUS_TABLE
 from aivedio.domain.transitions import AttemptChange, TaskChange
 
@@ -128,6 +128,13 @@ def domain_payload(
         "trace_id": trace_id,
         "public": public,
     }
+
+
+def stored_payload(public: dict[str, Any]) -> str:
+    """A public event as its ``task_events`` row stores it (``domain.public.stored_fields``):
+    compact JSON, which the replay sends on as it reads it (orjson: a third of the cost of
+    ``json.dumps`` per event written)."""
+    return orjson.dumps(stored_fields(public)).decode()
 
 
 async def write_event(
@@ -268,7 +275,7 @@ async def write_events(conn: asyncpg.Connection, events: Sequence[NewEvent]) -> 
             e.change.error_message,
             e.change.asset_id,
             e.change.terminal,
-            json.dumps(payload),
+            orjson.dumps(payload).decode(),
             a is not None,
             str(a.provider_status) if a and a.provider_status else None,
             a.last_provider_seq if a else None,

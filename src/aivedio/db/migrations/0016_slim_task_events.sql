@@ -7,7 +7,7 @@
 --   observation that wrote no event, observation_audit (task_attempts keeps every attempt);
 -- - event_type was always 'task.status' (the audit view says so without reading a column).
 -- The payload is stored as json: the compact text the state service writes (no identity
--- fields, no nulls: domain.public.stored_payload), which the replay sends on as it is, where
+-- fields, no nulls: state.events.stored_payload), which the replay sends on as it is, where
 -- jsonb was about 12 bytes longer and had to be turned back into text on every replay. The
 -- trace id is stored as its 12 or 16 bytes (trc_<hex>: aivedio.logs), read back as text.
 --

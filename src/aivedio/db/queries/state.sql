@@ -55,7 +55,7 @@ WHERE t.id = $1
 -- A version that is not a public event ($21 false: it changes no public field) takes no seq and
 -- inserts no task event; its outbox row has event_id and epoch null, and its audit row
 -- (observation_audit, outcome 'applied') is written instead. Always returns one row.
--- The event's stored payload ($5, domain.public.stored_payload) leaves out what its columns
+-- The event's stored payload ($5, state.events.stored_payload) leaves out what its columns
 -- already say (task_id, task_version, event_id = seq) and null fields: readers add them back
 -- (domain.public.stored_event, gateway.frames.make_event). Its trace id is stored as bytes
 -- (migration 0016).
