@@ -317,29 +317,28 @@ class RedisStreamsConsumer:
         if self._closed:
             raise BusClosed("consumer is closed")
 
-    async def _claim_expired(self, batch: int) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
-        """Entries of this group idle longer than the ack wait, now this consumer's."""
+    async def _move_and_claim(
+        self, batch: int
+    ) -> tuple[int, list[tuple[str, bytes, dict[bytes, bytes]]]]:
+        """Re-add this group's due delayed naks to its replay stream, then claim entries idle
+        longer than the ack wait (one round trip for both when the topic's stream has enough).
+        Returns the ms until the next delayed nak is due (-1: none parked) and the claimed."""
         bus = self._bus
-        got: list[tuple[str, bytes, dict[bytes, bytes]]] = []
         idle_ms = int(bus._cfg.ack_wait_s * 1000)
-        for stream in self._streams:
-            if len(got) >= batch:
-                break
-            reply = await bus._call(
-                bus._r.xautoclaim(stream, self._group, self._name, idle_ms, count=batch - len(got))
-            )
-            for entry_id, fields in reply[1]:
-                if fields is not None:
-                    got.append((stream, entry_id, fields))
-        return got
-
-    async def _move_due(self, batch: int) -> int:
-        """Re-add this group's due delayed naks to its replay stream; ms until the next one is
-        due (-1: none parked)."""
-        bus = self._bus
         keys = [*bus._parked(self._group, self._topic), bus._counts(self._group), self._streams[1]]
-        args = [batch, int(bus._cfg.retention_s * 1000)]
-        return int(await bus._call(bus._move_due(keys=keys, args=args)))
+        pipe = bus._r.pipeline(transaction=False)
+        await bus._move_due(keys=keys, args=[batch, int(bus._cfg.retention_s * 1000)], client=pipe)
+        pipe.xautoclaim(self._streams[0], self._group, self._name, idle_ms, count=batch)
+        next_due, reply = await bus._call(pipe.execute())
+        got = [(self._streams[0], e, f) for e, f in reply[1] if f is not None]
+        if len(got) < batch:
+            reply = await bus._call(
+                bus._r.xautoclaim(
+                    self._streams[1], self._group, self._name, idle_ms, count=batch - len(got)
+                )
+            )
+            got.extend((self._streams[1], e, f) for e, f in reply[1] if f is not None)
+        return int(next_due), got
 
     async def fetch(self, batch: int = 100, timeout: float = 1.0) -> list[Delivery]:  # noqa: ASYNC109
         self._check_open()
@@ -347,8 +346,7 @@ class RedisStreamsConsumer:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
-            next_due_ms = await self._move_due(batch)
-            claimed = await self._claim_expired(batch)
+            next_due_ms, claimed = await self._move_and_claim(batch)
             entries = [(s, e, f, True) for s, e, f in claimed]
             if len(entries) < batch:
                 left_ms = int((deadline - loop.time()) * 1000)
