@@ -16,9 +16,10 @@ from typing import Any
 import pytest
 from standardwebhooks import Webhook
 
-from aivedio.bench.common import percentile
+from aivedio.bench import e2e
+from aivedio.bench.common import BenchUsageError, percentile
 from aivedio.bench.e2e_clients import _Client, _Reader
-from aivedio.bench.e2e_deploy import socket_owners
+from aivedio.bench.e2e_deploy import RunBus, socket_owners
 from aivedio.bench.e2e_load import Generation, LoadResult, _Sender, build_requests
 from aivedio.bench.e2e_report import at_rate
 from aivedio.bench.e2e_run import StepFigures
@@ -33,6 +34,7 @@ from aivedio.bench.e2e_schedule import (
     saturation,
     stage_samples,
 )
+from aivedio.config import Settings
 from aivedio.sandbox.config import decode_webhook_secret
 
 SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
@@ -89,6 +91,15 @@ def test_rates_parse() -> None:
     for bad in ("", "0,10", "a"):
         with pytest.raises(ValueError, match=r"positive numbers|could not convert"):
             parse_rates(bad)
+
+
+def test_the_bus_adapter_option_picks_aivedio_bus() -> None:
+    with pytest.raises(BenchUsageError, match="bus_adapter"):
+        e2e.run(Settings(), {"bus_adapter": "kafka"})
+    assert e2e.E2EOptions().bus_adapter == "jetstream"
+    assert RunBus("nats://n", "S", "p").env()["AIVEDIO_BUS"] == "jetstream"
+    env = RunBus("nats://n", "S", "p", "redis-streams").env()
+    assert (env["AIVEDIO_BUS"], env["AIVEDIO_BUS_SUBJECT_PREFIX"]) == ("redis-streams", "p")
 
 
 def test_percentile_interpolates_between_closest_ranks() -> None:

@@ -2,8 +2,8 @@
 README runs it, beside the naive reference, on one schedule.
 
 In one invocation, on a scratch database (created, migrated, dropped) and a NATS server of the
-run's own (``bus=private``; ``bus=configured``: a stream of the run's own on AIVEDIO_NATS_URL,
-see ``e2e_deploy.run_bus``):
+run's own (``bus=private``; ``bus=configured``: a stream of the run's own on AIVEDIO_NATS_URL;
+``bus_adapter=redis-streams``: Redis Streams on AIVEDIO_REDIS_URL, see ``e2e_deploy.run_bus``):
 
 1. The deployment: the sandbox provider in its own process, and ``aivedio run --role all
    --reuse-port`` once per core (``processes``; ``split=1``: the HTTP roles per core and one
@@ -112,6 +112,10 @@ class E2EOptions:
     """``private``: a NATS server of the run's own (its CPU is the run's alone);
     ``configured``: AIVEDIO_NATS_URL, with a stream and subject prefix of the run's own,
     deleted afterwards."""
+    bus_adapter: str = "jetstream"
+    """AIVEDIO_BUS of the deployment: ``jetstream`` (on the NATS ``bus`` says) or
+    ``redis-streams`` (on AIVEDIO_REDIS_URL, keys under a prefix of the run's own, deleted
+    afterwards; ``bus`` is then unused)."""
     create_concurrency: int = 32
     db_pool_max: int = 0
     """AIVEDIO_DB_POOL_MAX for every aivedio process (0: as configured, 10 by default). With
@@ -134,6 +138,8 @@ def run(settings: Settings, options: Mapping[str, str]) -> int:
         raise BenchUsageError("scenarios is one, many or one,many")
     if opts.bus not in ("private", "configured"):
         raise BenchUsageError("bus is private or configured")
+    if opts.bus_adapter not in ("jetstream", "redis-streams"):
+        raise BenchUsageError("bus_adapter is jetstream or redis-streams")
     if min(opts.duration_s, opts.projects, opts.connections, opts.clients_per_project) <= 0:
         raise BenchUsageError("duration_s, projects, connections, clients_per_project > 0")
     if opts.processes == 0:
@@ -170,7 +176,8 @@ async def _main(
     }
     print(
         f"e2e bench: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; rates {rates}"
-        f" x {opts.duration_s:g} s; {tasks} tasks per scenario; logs in {run_dir}",
+        f" x {opts.duration_s:g} s; {tasks} tasks per scenario; bus {_bus_label(opts)};"
+        f" logs in {run_dir}",
         flush=True,
     )
     try:
@@ -211,10 +218,11 @@ async def _aivedio(
 ) -> None:
     """The deployment up, every scenario through the ramp, the deployment down."""
     tag = uuid.uuid4().hex[:8]
-    async with run_bus(urls, run_dir / "services", opts.bus == "private", tag) as bus:
-        nats = bus.url
+    private = opts.bus == "private"
+    async with run_bus(urls, run_dir / "services", private, tag, opts.bus_adapter) as bus:
+        nats = bus.url if bus.adapter == "jetstream" else None
         port, sandbox_port = free_port(), free_port()
-        env = _env(settings, opts, db_url, urls.redis_url, nats, secret, run_dir) | bus.env()
+        env = _env(settings, opts, db_url, urls.redis_url, bus.url, secret, run_dir) | bus.env()
         env["AIVEDIO_SANDBOX_URL"] = f"http://127.0.0.1:{sandbox_port}"
         deployment = Deployment(port, sandbox_port, env, run_dir)
         try:
@@ -259,11 +267,19 @@ def _env(
     )
 
 
-def _meter(conn: asyncpg.Connection, redis_url: str, nats_url: str, dep: Deployment) -> CpuMeter:
+def _bus_label(opts: E2EOptions) -> str:
+    if opts.bus_adapter == "redis-streams":
+        return "redis-streams (AIVEDIO_REDIS_URL)"
+    return f"jetstream ({opts.bus} NATS)"
+
+
+def _meter(
+    conn: asyncpg.Connection, redis_url: str, nats_url: str | None, dep: Deployment
+) -> CpuMeter:
     groups: dict[str, list[int]] = dict(dep.role_pids())
     groups["sandbox"] = [dep.sandbox.pid] if dep.sandbox else []
     for name, url in (("nats", nats_url), ("redis", redis_url)):
-        pid = listening_pid(url)
+        pid = listening_pid(url) if url else None
         groups[name] = [pid] if pid else []
     return CpuMeter(groups, conn)
 

@@ -5,7 +5,10 @@ the CPU of every process read from ``/proc``.
   ``AIVEDIO_BUS_SUBJECT_PREFIX``), on a NATS server of the run's own (the embedded
   ``nats-server`` in a temporary data directory, so that NATS's CPU is the run's alone), or with
   ``bus=configured`` on ``AIVEDIO_NATS_URL``, where the streams are deleted afterwards: the run
-  neither leaves messages in another deployment's stream nor shares its durable groups.
+  neither leaves messages in another deployment's stream nor shares its durable groups. With
+  ``bus_adapter=redis-streams`` (``AIVEDIO_BUS``) the bus is Redis Streams on
+  ``AIVEDIO_REDIS_URL`` instead, its keys under the run's own prefix, deleted afterwards (no NATS
+  is started).
 - ``Deployment``: the sandbox provider (``aivedio sandbox-provider``) and the aivedio processes,
   ``aivedio run --role all --reuse-port`` once per core by default, or one process per role
   (``split``); each with its log in the run's directory.
@@ -30,6 +33,7 @@ from urllib.parse import urlsplit
 
 import asyncpg
 import httpx
+import redis.asyncio as aioredis
 
 from aivedio.config import ServicesConfig
 from aivedio.services import embedded
@@ -50,12 +54,14 @@ BACKGROUND_ROLES = (
 
 @dataclass(frozen=True, slots=True)
 class RunBus:
-    url: str
+    url: str  # the NATS URL (unused by the Redis Streams adapter)
     stream: str
     subject_prefix: str
+    adapter: str = "jetstream"  # AIVEDIO_BUS
 
     def env(self) -> dict[str, str]:
         return {
+            "AIVEDIO_BUS": self.adapter,
             "AIVEDIO_NATS_URL": self.url,
             "AIVEDIO_BUS_STREAM": self.stream,
             "AIVEDIO_BUS_SUBJECT_PREFIX": self.subject_prefix,
@@ -64,10 +70,18 @@ class RunBus:
 
 @contextlib.asynccontextmanager
 async def run_bus(
-    urls: ServiceUrls, data_dir: Path, private: bool, tag: str
+    urls: ServiceUrls, data_dir: Path, private: bool, tag: str, adapter: str = "jetstream"
 ) -> AsyncIterator[RunBus]:
     """The run's bus: its own stream and prefix, on a private embedded NATS (stopped
-    afterwards) or on the configured one (its streams deleted afterwards)."""
+    afterwards) or on the configured one (its streams deleted afterwards); with the
+    ``redis-streams`` adapter, its own key prefix on the configured Redis (deleted afterwards)."""
+    if adapter == "redis-streams":
+        bus = RunBus(urls.nats_url, f"BENCH_E2E_{tag}", f"bench-e2e-{tag}", adapter)
+        try:
+            yield bus
+        finally:
+            await _delete_keys(urls.redis_url, bus.subject_prefix)
+        return
     if not private:
         bus = RunBus(urls.nats_url, f"BENCH_E2E_{tag}", f"bench-e2e-{tag}")
         try:
@@ -83,6 +97,16 @@ async def run_bus(
         yield RunBus(started.nats_url, f"BENCH_E2E_{tag}", f"bench-e2e-{tag}")
     finally:
         await asyncio.to_thread(embedded.down, cfg)
+
+
+async def _delete_keys(redis_url: str, prefix: str) -> None:
+    client = aioredis.Redis.from_url(redis_url)
+    try:
+        keys = [k async for k in client.scan_iter(match=f"{prefix}:*", count=1000)]
+        for start in range(0, len(keys), 1000):
+            await client.delete(*keys[start : start + 1000])
+    finally:
+        await client.aclose()
 
 
 async def _delete_streams(bus: RunBus) -> None:

@@ -98,7 +98,12 @@ def print_figures(figures: dict[str, Any]) -> None:
         f"at most {figures['per_task']} webhooks per task, round robin over the tasks, so one "
         f"task's webhooks are tasks/rate s apart and cannot overtake each other"
     )
-    print(f"deployment: {len(figures.get('layout', []))} processes: {figures.get('layout')}")
+    bus = opts.get("bus_adapter", "jetstream")
+    where = "AIVEDIO_REDIS_URL" if bus == "redis-streams" else f"{opts.get('bus')} NATS"
+    print(
+        f"deployment: {len(figures.get('layout', []))} processes: {figures.get('layout')};"
+        f" bus {bus} ({where})"
+    )
     start, end = figures["load"], figures.get("load_end", (math.nan,) * 3)
     print(f"load average (1, 5, 15 min): at the start {start}, at the end {end}")
     for system in ("aivedio", "naive"):

@@ -3,19 +3,24 @@
 Layout, all under ``{subject_prefix}:``:
 
 * ``s:{topic}`` - the topic's stream; every group is a Redis consumer group on it.
-* ``r:{group}:{topic}`` - replayed dead letters for one group only (read with the topic stream).
+* ``r:{group}:{topic}`` - replayed dead letters and due delayed naks for one group only (read
+  with the topic stream).
 * ``dlq:{group}`` - the group's dead letters (a stream; the entry id is the dead letter id).
 * ``dedup:{dedup_id}`` - the sequence a dedup id was stored under, expiring after the window.
 * ``dc:{group}`` - a hash of delivery counts by entry id (Redis' own counter is bumped by
   XCLAIM calls that are not deliveries, so the adapter keeps its own).
+* ``z:{group}:{topic}``, ``zd:{group}:{topic}`` - messages nak-ed with a delay longer than the
+  ack wait, parked until due (``bus/redis_streams_lua.py``).
 * ``seq`` - one counter for the whole namespace, the ``PublishAck.sequence``.
 
 Publish is one Lua script (dedup check, XADD trimmed by age, dedup key), so a duplicate never
 reaches the stream. Redelivery: a fetch first XAUTOCLAIMs entries idle longer than
-``ack_wait_s``; ``nak(delay)`` sets the entry's idle time so it becomes claimable after
-``delay``; ``in_progress`` resets it. An entry claimed once more than ``max_deliver`` times, or
-nak-ed on its last delivery, moves to the dead-letter stream. All keys of one namespace must
-live on one node (no Redis Cluster hash slots are arranged).
+``ack_wait_s``; ``nak(delay)`` with ``delay <= ack_wait_s`` sets the entry's idle time so it
+becomes claimable after ``delay``; a longer delay XACKs the entry and parks it in the same Lua
+script, and a fetch re-adds it to the group's replay stream when due, its delivery count kept
+(see ``redis_streams_lua``); ``in_progress`` resets the idle time. An entry claimed once more
+than ``max_deliver`` times, or nak-ed on its last delivery, moves to the dead-letter stream.
+All keys of one namespace must live on one node (no Redis Cluster hash slots are arranged).
 """
 
 from __future__ import annotations
@@ -44,24 +49,11 @@ from aivedio.bus.port import (
     validate_message,
     validate_topic,
 )
+from aivedio.bus.redis_streams_lua import MOVE_DUE, NAK_LATER, PUBLISH, nak_later_args
 
 __all__ = ["RedisStreamsBus"]
 
 T = TypeVar("T")
-
-# KEYS: stream, dedup key, seq key. ARGV: dedup window ms, retention ms, then the fields.
-_PUBLISH = """
-local seen = redis.call('GET', KEYS[2])
-if seen then return {seen, 1} end
-local seq = redis.call('INCR', KEYS[3])
-local now = redis.call('TIME')
-local oldest = (tonumber(now[1]) * 1000 + math.floor(tonumber(now[2]) / 1000)) - tonumber(ARGV[2])
-if oldest < 0 then oldest = 0 end
-redis.call('XADD', KEYS[1], 'MINID', '~', oldest, '*',
-  'q', seq, 't', ARGV[3], 'k', ARGV[4], 'd', ARGV[5], 'h', ARGV[6], 'p', ARGV[7])
-redis.call('SET', KEYS[2], seq, 'PX', ARGV[1])
-return {tostring(seq), 0}
-"""
 
 
 def _s(value: Any) -> str:
@@ -77,7 +69,9 @@ class RedisStreamsBus:
         self._r = client
         self._closed = False
         self._ns = cfg.subject_prefix
-        self._publish = client.register_script(_PUBLISH)
+        self._publish = client.register_script(PUBLISH)
+        self._nak_later = client.register_script(NAK_LATER)
+        self._move_due = client.register_script(MOVE_DUE)
 
     @classmethod
     async def connect(cls, cfg: BusConfig) -> RedisStreamsBus:
@@ -108,6 +102,10 @@ class RedisStreamsBus:
 
     def _counts(self, group: str) -> str:
         return f"{self._ns}:dc:{group}"
+
+    def _parked(self, group: str, topic: str) -> tuple[str, str]:
+        """The due-time zset and the data hash of the group's delayed naks on ``topic``."""
+        return f"{self._ns}:z:{group}:{topic}", f"{self._ns}:zd:{group}:{topic}"
 
     # -- plumbing ----------------------------------------------------------------------------
 
@@ -319,44 +317,59 @@ class RedisStreamsConsumer:
         if self._closed:
             raise BusClosed("consumer is closed")
 
-    async def _claim_expired(self, batch: int) -> list[tuple[str, bytes, dict[bytes, bytes]]]:
-        """Entries of this group idle longer than the ack wait, now this consumer's."""
+    async def _move_and_claim(
+        self, batch: int
+    ) -> tuple[int, list[tuple[str, bytes, dict[bytes, bytes]]]]:
+        """Re-add this group's due delayed naks to its replay stream, then claim entries idle
+        longer than the ack wait (one round trip for both when the topic's stream has enough).
+        Returns the ms until the next delayed nak is due (-1: none parked) and the claimed."""
         bus = self._bus
-        got: list[tuple[str, bytes, dict[bytes, bytes]]] = []
         idle_ms = int(bus._cfg.ack_wait_s * 1000)
-        for stream in self._streams:
-            if len(got) >= batch:
-                break
+        keys = [*bus._parked(self._group, self._topic), bus._counts(self._group), self._streams[1]]
+        pipe = bus._r.pipeline(transaction=False)
+        await bus._move_due(keys=keys, args=[batch, int(bus._cfg.retention_s * 1000)], client=pipe)
+        pipe.xautoclaim(self._streams[0], self._group, self._name, idle_ms, count=batch)
+        next_due, reply = await bus._call(pipe.execute())
+        got = [(self._streams[0], e, f) for e, f in reply[1] if f is not None]
+        if len(got) < batch:
             reply = await bus._call(
-                bus._r.xautoclaim(stream, self._group, self._name, idle_ms, count=batch - len(got))
+                bus._r.xautoclaim(
+                    self._streams[1], self._group, self._name, idle_ms, count=batch - len(got)
+                )
             )
-            for entry_id, fields in reply[1]:
-                if fields is not None:
-                    got.append((stream, entry_id, fields))
-        return got
+            got.extend((self._streams[1], e, f) for e, f in reply[1] if f is not None)
+        return int(next_due), got
 
     async def fetch(self, batch: int = 100, timeout: float = 1.0) -> list[Delivery]:  # noqa: ASYNC109
         self._check_open()
         bus = self._bus
-        claimed = await self._claim_expired(batch)
-        entries = [(s, e, f, True) for s, e, f in claimed]
-        if len(entries) < batch:
-            block_ms = None if entries else max(1, int(timeout * 1000))
-            reply: Any = await bus._call(
-                bus._r.xreadgroup(
-                    self._group,
-                    self._name,
-                    dict.fromkeys(self._streams, ">"),
-                    count=batch - len(entries),
-                    block=block_ms,
-                ),
-                extra_s=timeout,
-            )
-            for stream, items in reply or []:
-                entries.extend((_s(stream), e, f, False) for e, f in items)
-        if self._closed:
-            raise BusClosed("consumer is closed")
-        return await self._deliveries(entries)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            next_due_ms, claimed = await self._move_and_claim(batch)
+            entries = [(s, e, f, True) for s, e, f in claimed]
+            if len(entries) < batch:
+                left_ms = int((deadline - loop.time()) * 1000)
+                if next_due_ms >= 0:  # wake up for the next delayed nak
+                    left_ms = min(left_ms, max(1, next_due_ms))
+                block_ms = None if entries or left_ms <= 0 else left_ms
+                reply: Any = await bus._call(
+                    bus._r.xreadgroup(
+                        self._group,
+                        self._name,
+                        dict.fromkeys(self._streams, ">"),
+                        count=batch - len(entries),
+                        block=block_ms,
+                    ),
+                    extra_s=(block_ms or 0) / 1000,
+                )
+                for stream, items in reply or []:
+                    entries.extend((_s(stream), e, f, False) for e, f in items)
+            if self._closed:
+                raise BusClosed("consumer is closed")
+            out = await self._deliveries(entries)
+            if out or loop.time() >= deadline:
+                return out
 
     async def _deliveries(
         self, entries: list[tuple[str, bytes, dict[bytes, bytes], bool]]
@@ -375,7 +388,7 @@ class RedisStreamsConsumer:
                     stream, self._group, _s(entry_id), fields, n - 1, "max_deliver"
                 )
                 continue
-            if redelivered:
+            if redelivered or n > 1:
                 REDELIVERIES.labels(self._topic, self._group).inc()
             out.append(RedisStreamsDelivery(self, stream, _s(entry_id), fields, int(n)))
         return out
@@ -456,9 +469,17 @@ class RedisStreamsDelivery:
                 "max_deliver",
             )
             return
-        # Claimable (by any consumer of the group) once idle for ack_wait: after delay_s.
         ack_wait_ms = int(bus._cfg.ack_wait_s * 1000)
-        await self._set_idle(ack_wait_ms - int(delay_s * 1000) + (1 if delay_s <= 0 else 0))
+        if delay_s * 1000 <= ack_wait_ms:
+            # Claimable (by any consumer of the group) once idle for ack_wait: after delay_s.
+            await self._set_idle(ack_wait_ms - int(delay_s * 1000) + (1 if delay_s <= 0 else 0))
+            return
+        # Longer than an entry can stay pending: XACK and park it until due, in one script.
+        c = self._consumer
+        token = f"{'r' if self._stream == c._streams[1] else 's'}-{self._id}"
+        keys = [self._stream, *bus._parked(c._group, c._topic), bus._counts(c._group)]
+        args = nak_later_args(c._group, self._id, token, delay_s, self._deliveries, self._fields)
+        await bus._call(bus._nak_later(keys=keys, args=args))
 
     async def in_progress(self) -> None:
         self._consumer._bus._check_open()
