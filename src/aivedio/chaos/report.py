@@ -150,9 +150,9 @@ def _client_checks(
 
 
 def _unplanned_exits(run: Run) -> int:
-    """Role process exits the schedule did not cause: a role process may exit only when the
-    schedule killed it: an outage must pause it, never end it (the cluster would restart it,
-    which would hide the bug)."""
+    """Role process exits that the schedule did not cause."""
+    # A role process may exit only when the schedule killed it: an outage must pause it, never
+    # end it (the cluster would restart it, which would hide the bug).
     killed = sum(
         1
         for fault, what in run.faults_done
