@@ -43,8 +43,9 @@ from urllib.parse import unquote
 
 import httptools
 
-from aivedio.ingest.gateway import Answer, CallbackEndpoint, CallbackRequest
+from aivedio.ingest.gateway import CallbackEndpoint
 from aivedio.ingest.http_connection import CallbackConnection, Reply, Slot
+from aivedio.ingest.messages import Answer, CallbackRequest
 from aivedio.logs import trace_id_var
 
 __all__ = ["CallbackProtocol", "CallbackServer"]

@@ -14,7 +14,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol, cast
 
-from aivedio.ingest.gateway import NO_CONTENT, Answer, CallbackEndpoint, CallbackRequest
+from aivedio.ingest.gateway import CallbackEndpoint
+from aivedio.ingest.messages import NO_CONTENT, Answer, CallbackRequest
 from aivedio.logs import log
 
 __all__ = ["CallbackConnection", "Limits", "Reply", "Slot", "access_logger"]
