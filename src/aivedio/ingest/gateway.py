@@ -58,14 +58,8 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from aivedio.errors import DatabaseUnavailable
-from aivedio.ingest.group_commit import (
-    InboxClosed,
-    InboxError,
-    InboxFull,
-    InboxRow,
-    InboxWriter,
-    Outcome,
-)
+from aivedio.ingest.group_commit import InboxWriter
+from aivedio.ingest.inbox_row import InboxClosed, InboxError, InboxFull, InboxRow, Outcome
 from aivedio.ingest.messages import (
     NO_CONTENT,
     REFUSALS,

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, NoReturn
 
-from aivedio.ingest.group_commit import InboxRow
+from aivedio.ingest.inbox_row import InboxRow
 from aivedio.ingest.messages import Reject
 from aivedio.providers.port import DedupInfo, Verified
 
