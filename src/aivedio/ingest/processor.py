@@ -50,7 +50,7 @@ Failures
     (429 / 5xx / 404 / timeout) -> ``retry``, ``dead`` after ``refetch_max_tries``. Dead letters
     are listed by :func:`~aivedio.ingest.retries.list_dead_letters` and requeued by
     :func:`~aivedio.ingest.retries.replay`. The steps' values are in
-    :mod:`aivedio.ingest.inbox_rows`, the backoff and the deferral counters in
+    :mod:`aivedio.ingest.prepare`, the backoff and the deferral counters in
     :mod:`aivedio.ingest.retries`.
 """
 
@@ -73,7 +73,7 @@ from aivedio.db.queries import q
 from aivedio.db.wakeup import IdleListener, wait_any
 from aivedio.domain.observation import Source
 from aivedio.errors import DatabaseUnavailable
-from aivedio.ingest.inbox_rows import (
+from aivedio.ingest.prepare import (
     Attempts,
     Defer,
     InboxRecord,

@@ -16,7 +16,7 @@ from prometheus_client import Counter
 
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
-from aivedio.ingest.inbox_rows import Defer, InboxRecord
+from aivedio.ingest.prepare import Defer, InboxRecord
 from aivedio.logs import log
 
 __all__ = ["backoff_s", "list_dead_letters", "record_deferral", "replay"]
