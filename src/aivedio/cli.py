@@ -211,7 +211,7 @@ def _cmd_sandbox(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def _cmd_inbox(args: argparse.Namespace, settings: Settings) -> int:
-    from aivedio.ingest.processor import list_dead_letters, replay
+    from aivedio.ingest.retries import list_dead_letters, replay
 
     async def go() -> int:
         db = await _database(settings)

@@ -17,17 +17,9 @@ from aivedio.config import DatabaseConfig
 from aivedio.db.pool import Database
 from aivedio.errors import DatabaseUnavailable
 from aivedio.ingest import group_commit
-from aivedio.ingest.group_commit import (
-    BATCH_SIZE,
-    GroupCommitConfig,
-    InboxClosed,
-    InboxError,
-    InboxFull,
-    InboxRow,
-    InboxWriter,
-    Outcome,
-    expire_processed_payloads,
-)
+from aivedio.ingest.group_commit import BATCH_SIZE, GroupCommitConfig, InboxWriter
+from aivedio.ingest.inbox_batch import expire_processed_payloads
+from aivedio.ingest.inbox_row import InboxClosed, InboxError, InboxFull, InboxRow, Outcome
 from tests.integration.test_api_database_down import via
 from tests.proxy import TcpProxy
 

@@ -30,13 +30,8 @@ from aivedio.db.pool import Database
 from aivedio.domain.observation import Observation
 from aivedio.ingest.gateway import CallbackConfig, callback_routes
 from aivedio.ingest.group_commit import InboxWriter
-from aivedio.ingest.processor import (
-    IDLE_LOCK,
-    InboxConfig,
-    InboxProcessor,
-    list_dead_letters,
-    replay,
-)
+from aivedio.ingest.processor import IDLE_LOCK, InboxConfig, InboxProcessor
+from aivedio.ingest.retries import list_dead_letters, replay
 from aivedio.providers.kling import KlingAdapter
 from aivedio.providers.port import ProviderAdapter, SubmitRequest
 from aivedio.providers.registry import callback_providers, versioned

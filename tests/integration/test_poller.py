@@ -27,9 +27,10 @@ import uvicorn
 from aivedio.db.pool import Database
 from aivedio.domain.observation import PlatformKind, PlatformObservation, Source
 from aivedio.polling.buckets import Limit
+from aivedio.polling.claimed import PollRecord
 from aivedio.polling.config import PollerConfig, RateLimitConfig
 from aivedio.polling.policy import Backoff, BreakerConfig, PollPolicy
-from aivedio.polling.poller import Poller, PollRecord
+from aivedio.polling.poller import Poller
 from aivedio.polling.ratelimit import RateLimiter
 from aivedio.providers.http import HttpConfig
 from aivedio.providers.port import SubmitRequest

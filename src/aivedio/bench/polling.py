@@ -58,8 +58,9 @@ from aivedio.config import DatabaseConfig, Settings
 from aivedio.db.pool import Database
 from aivedio.domain.observation import PlatformKind, PlatformObservation, Source
 from aivedio.polling.buckets import Limit
+from aivedio.polling.claimed import PollRecord
 from aivedio.polling.config import PollerConfig, RateLimitConfig
-from aivedio.polling.poller import Poller, PollRecord
+from aivedio.polling.poller import Poller
 from aivedio.polling.ratelimit import RateLimiter, Scope
 from aivedio.providers.http import HttpConfig
 from aivedio.providers.port import ProviderError, SubmitRequest

@@ -37,22 +37,20 @@ check has its own status and stores nothing; the first that fails answers:
 ====  ===========================  ======================================================
 
 A 2xx is sent only after the row's group-commit batch committed (:mod:`.group_commit`).
+The values a transport shares with the endpoint (request, answer, refusals) are in
+:mod:`.messages`; the body's parsing and the row stored for it in :mod:`.payload`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
-import math
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from functools import partial
-from typing import Any, NoReturn
+from typing import Any
 from urllib.parse import parse_qsl
 
 from prometheus_client import Counter
@@ -60,23 +58,23 @@ from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from aivedio.errors import DatabaseUnavailable
-from aivedio.ingest.group_commit import (
-    InboxClosed,
-    InboxError,
-    InboxFull,
-    InboxRow,
-    InboxWriter,
-    Outcome,
+from aivedio.ingest.group_commit import InboxWriter
+from aivedio.ingest.inbox_row import InboxClosed, InboxError, InboxFull, InboxRow, Outcome
+from aivedio.ingest.messages import (
+    NO_CONTENT,
+    REFUSALS,
+    Answer,
+    CallbackRequest,
+    Reject,
+    error_answer,
 )
+from aivedio.ingest.payload import ENCODER, inbox_row, parse_body
 from aivedio.logs import log, new_trace_id, trace_id_var
-from aivedio.providers.port import CallbackProvider, DedupInfo, VerificationError, Verified
+from aivedio.providers.port import CallbackProvider, VerificationError, Verified
 
 __all__ = [
-    "NO_CONTENT",
-    "Answer",
     "CallbackConfig",
     "CallbackEndpoint",
-    "CallbackRequest",
     "callback_endpoint",
     "callback_routes",
     "find_callback_endpoint",
@@ -100,10 +98,6 @@ REJECTED = Counter(
     ["provider", "reason"],
 )
 
-_UNSTORABLE = re.compile(r"[\x00\ud800-\udfff]")
-_MAX_TEXT_CHARS = 512
-_MAX_KEY_CHARS = 255
-
 
 @dataclass(frozen=True, slots=True)
 class CallbackConfig:
@@ -116,191 +110,30 @@ class CallbackConfig:
     max_json_depth: int = 64
 
 
-@dataclass(frozen=True, slots=True)
-class Answer:
-    """A response as plain data, for any transport to write.
-
-    ``headers`` are lower-cased names besides ``content-length`` (the transport adds it, and the
-    trace id header). ``close``: the transport must close the connection after this answer, as
-    the rest of the request was not read (413).
-    """
-
-    status: int
-    headers: tuple[tuple[str, str], ...] = ()
-    body: bytes = b""
-    close: bool = False
-
-
-NO_CONTENT = Answer(204)
-"""The answer to a callback that is stored (now, or before: a duplicate)."""
-
-
-@dataclass(slots=True)
-class CallbackRequest:
-    """A callback whose head passed rows 1 to 5: the transport now reads at most
-    :attr:`max_body_bytes` of body within ``read_timeout_s`` and hands it to
-    :meth:`CallbackEndpoint.finish`."""
-
-    provider: CallbackProvider
-    headers: dict[str, str]
-    """Lower-cased names, the first value of a repeated header."""
-    query: bytes
-    trace_id: str
-
-    @property
-    def max_body_bytes(self) -> int:
-        return self.provider.max_body_bytes
-
-
-class _Reject(Exception):
-    """Control flow inside the endpoint: answer ``status`` and stop. Never escapes it."""
-
-    def __init__(self, status: int, code: str, reason: str, **headers: str) -> None:
-        super().__init__(reason)
-        self.status = status
-        self.code = code
-        self.reason = reason
-        self.headers = headers
-
-
-_MESSAGES = {
-    400: "the body is not valid UTF-8",
-    401: "the callback could not be authenticated",
-    404: "no such callback endpoint",
-    405: "use POST",
-    408: "the body did not arrive in time",
-    413: "the body is too large",
-    414: "the query string is too long",
-    415: "send application/json",
-    422: "the body is not an acceptable JSON object",
-    431: "the request headers are too large",
-    500: "the callback could not be stored",
-    503: "the service is temporarily unavailable; retry later",
-}
-
-_BAD_REQUEST = "the request is not valid HTTP/1.1"
-
-# What a transport reports on its own (status -> error code, metric reason).
-_REFUSALS = {
-    400: ("bad_request", "bad_request"),  # not HTTP/1.1 the parser accepts (lean path only)
-    408: ("request_timeout", "request_timeout"),
-    413: ("body_too_large", "body_too_large"),
-    431: ("headers_too_large", "headers_too_large"),  # a head past the transport's own cap
-    499: ("client_disconnected", "client_disconnected"),  # nothing is sent: nobody listens
-}
-
-
-def _reject_constant(name: str) -> NoReturn:
-    raise ValueError(f"{name} is not JSON")
-
-
-class _Unstorable(ValueError):
-    """Valid JSON that PostgreSQL jsonb cannot store."""
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):  # 1e400 parses as inf, which jsonb cannot store
-        raise _Unstorable("number out of range")
-    return value
-
-
-# One decoder and one encoder, built once (``json.loads`` with hooks builds a decoder per call).
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite)
-# The decoder's C scanner, called directly for a body that starts with "{": decode() wraps it
-# in two Python calls and two regex matches, 1.3 of its 3.4 us for a webhook-sized body.
-_SCAN_ONCE: Callable[[str, int], tuple[Any, int]] = _DECODER.scan_once  # type: ignore[attr-defined]
-_JSON_SPACE = " \t\n\r"
-_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
-
-
-def _check_storable(payload: object, max_depth: int) -> None:
-    """Raise ValueError unless PostgreSQL jsonb can store ``payload`` (iterative, no recursion)."""
-    stack: list[tuple[object, int]] = [(payload, 1)]
-    while stack:
-        value, depth = stack.pop()
-        if isinstance(value, str):
-            if _UNSTORABLE.search(value):
-                raise ValueError("unstorable string")
-        elif isinstance(value, float):
-            if not math.isfinite(value):
-                raise ValueError("unstorable number")
-        elif isinstance(value, dict | list):
-            if depth > max_depth:
-                raise ValueError("too deep")
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            for key, item in items:
-                if isinstance(key, str) and _UNSTORABLE.search(key):
-                    raise ValueError("unstorable key")
-                stack.append((item, depth + 1))
-
-
-def _clean(value: str | None, limit: int = _MAX_TEXT_CHARS) -> str | None:
-    """Text PostgreSQL accepts: no NUL, no lone surrogate, bounded."""
-    if value is None:
-        return None
-    if value.isascii() and "\x00" not in value:  # the common case, without a regex
-        return value[:limit] or None
-    return _UNSTORABLE.sub("\ufffd", value)[:limit] or None
-
-
-def _key(value: str) -> str:
-    if value.isascii() and "\x00" not in value and 0 < len(value) <= _MAX_KEY_CHARS:
-        return value
-    cleaned = _UNSTORABLE.sub("\ufffd", value)
-    if cleaned != value or len(cleaned) > _MAX_KEY_CHARS or not cleaned:
-        return "sha256:" + hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
-    return cleaned
-
-
-def _error_answer(rejection: _Reject, trace_id: str) -> Answer:
-    body = json.dumps(
-        {
-            "error": {
-                "code": rejection.code,
-                "message": _BAD_REQUEST
-                if rejection.code == "bad_request"
-                else _MESSAGES.get(rejection.status, "rejected"),
-                "trace_id": trace_id,
-            }
-        }
-    ).encode()
-    return Answer(
-        rejection.status,
-        (("content-type", "application/json"), *rejection.headers.items()),
-        body,
-        # the rest of the request was not read: the connection cannot carry another one
-        close=rejection.status in _CLOSING,
-    )
-
-
-_CLOSING = frozenset({400, 408, 413, 431})
-
-
 def _token(request: CallbackRequest) -> str | None:
     """The callback token of an unsigned provider's callback URL (``?token=``)."""
     return dict(parse_qsl(request.query.decode("latin-1"))).get("token") if request.query else None
 
 
-def _verification_rejection(exc: VerificationError, config: CallbackConfig) -> _Reject:
+def _verification_rejection(exc: VerificationError, config: CallbackConfig) -> Reject:
     if exc.retryable:
         retry = str(config.retry_after_s)
-        return _Reject(503, "unavailable", exc.reason.value, **{"retry-after": retry})
-    return _Reject(401, "unauthorized", exc.reason.value)
+        return Reject(503, "unavailable", exc.reason.value, **{"retry-after": retry})
+    return Reject(401, "unauthorized", exc.reason.value)
 
 
-def _store_rejection(exc: BaseException, config: CallbackConfig) -> _Reject:
+def _store_rejection(exc: BaseException, config: CallbackConfig) -> Reject:
     """Row 9 when the row was not stored: 503 (retry later) or 500."""
     retry = {"retry-after": str(config.retry_after_s)}
     if isinstance(exc, DatabaseUnavailable):
-        return _Reject(503, "unavailable", "database_unavailable", **retry)
+        return Reject(503, "unavailable", "database_unavailable", **retry)
     if isinstance(exc, InboxFull):
-        return _Reject(503, "unavailable", "queue_full", **retry)
+        return Reject(503, "unavailable", "queue_full", **retry)
     if isinstance(exc, InboxClosed):
-        return _Reject(503, "unavailable", "shutting_down", **retry)
+        return Reject(503, "unavailable", "shutting_down", **retry)
     if not isinstance(exc, InboxError):
         log(logger, logging.ERROR, "inbox write failed", error=type(exc).__name__)
-    return _Reject(500, "internal", "store_failed")
+    return Reject(500, "internal", "store_failed")
 
 
 class CallbackEndpoint:
@@ -337,9 +170,9 @@ class CallbackEndpoint:
         provider = self.providers.get(provider_name)
         try:
             if provider is None:
-                raise _Reject(404, "not_found", "unknown_provider")
+                raise Reject(404, "not_found", "unknown_provider")
             return self._head(provider, method, raw_headers, query, trace_id)
-        except _Reject as rejection:
+        except Reject as rejection:
             label = provider_name if provider is not None else "unknown"
             return self._rejected(label, rejection, trace_id)
 
@@ -352,9 +185,9 @@ class CallbackEndpoint:
     def refuse(self, provider_name: str, status: int, trace_id: str) -> Answer:
         """A refusal the transport decided itself, counted and logged like the others: 400 (not
         HTTP it can parse), 408, 413, 431 (a head past its cap) or 499 (see :meth:`abort`)."""
-        code, reason = _REFUSALS[status]
+        code, reason = REFUSALS[status]
         label = provider_name if provider_name in self.providers else "unknown"
-        return self._rejected(label, _Reject(status, code, reason), trace_id)
+        return self._rejected(label, Reject(status, code, reason), trace_id)
 
     async def finish(self, request: CallbackRequest, body: bytes) -> Answer:
         """Rows 7 to 9: verify the raw ``body``, parse it, store it; 204 only after the commit."""
@@ -366,7 +199,7 @@ class CallbackEndpoint:
                 outcome = await self.inbox.submit(row)
             except Exception as exc:
                 raise _store_rejection(exc, self.config) from None
-        except _Reject as rejection:
+        except Reject as rejection:
             return self._rejected(provider.name, rejection, request.trace_id)
         return self._stored(request, row, verified, outcome)
 
@@ -394,7 +227,7 @@ class CallbackEndpoint:
                 self.inbox.enqueue(row, partial(self._settled, request, row, verified, reply))
             except Exception as exc:
                 raise _store_rejection(exc, self.config) from None
-        except _Reject as rejection:
+        except Reject as rejection:
             reply(self._rejected(provider.name, rejection, request.trace_id))
         return True
 
@@ -416,7 +249,7 @@ class CallbackEndpoint:
                 answer = self._stored(request, row, verified, outcome)
         except Exception as exc:  # a bug counting or logging: the row's fate still gets out
             log(logger, logging.ERROR, "callback answer failed", error=type(exc).__name__)
-            answer = _error_answer(_Reject(500, "internal", "internal"), request.trace_id)
+            answer = error_answer(Reject(500, "internal", "internal"), request.trace_id)
         reply(answer)
 
     async def handle(
@@ -477,7 +310,7 @@ class CallbackEndpoint:
 
     # -- the checks ---------------------------------------------------------------------------
 
-    def _rejected(self, label: str, rejection: _Reject, trace_id: str) -> Answer:
+    def _rejected(self, label: str, rejection: Reject, trace_id: str) -> Answer:
         REJECTED.labels(label, rejection.reason).inc()
         log(
             logger,
@@ -488,7 +321,7 @@ class CallbackEndpoint:
             status=rejection.status,
             trace_id=trace_id,
         )
-        return _error_answer(rejection, trace_id)
+        return error_answer(rejection, trace_id)
 
     def _head(
         self,
@@ -500,7 +333,7 @@ class CallbackEndpoint:
     ) -> CallbackRequest:
         cfg = self.config
         if method != "POST":
-            raise _Reject(405, "method_not_allowed", "method_not_allowed", allow="POST")
+            raise Reject(405, "method_not_allowed", "method_not_allowed", allow="POST")
         # the first value of a repeated header wins: built from the last to the first
         headers: dict[str, str] = {}
         header_bytes = 0
@@ -509,25 +342,25 @@ class CallbackEndpoint:
             header_bytes += len(name) + len(value) + 4
         media_type = headers.get("content-type", "").partition(";")[0].strip().lower()
         if media_type != "application/json":
-            raise _Reject(415, "unsupported_media_type", "unsupported_media_type")
+            raise Reject(415, "unsupported_media_type", "unsupported_media_type")
         if len(raw_headers) > cfg.max_headers or header_bytes > cfg.max_header_bytes:
-            raise _Reject(431, "headers_too_large", "headers_too_large")
+            raise Reject(431, "headers_too_large", "headers_too_large")
         if len(query) > cfg.max_query_bytes:
-            raise _Reject(414, "uri_too_long", "uri_too_long")
+            raise Reject(414, "uri_too_long", "uri_too_long")
         declared = headers.get("content-length")
         if (
             declared is not None
             and declared.strip().isdigit()
             and int(declared) > provider.max_body_bytes
         ):
-            raise _Reject(413, "body_too_large", "body_too_large")
+            raise Reject(413, "body_too_large", "body_too_large")
         return CallbackRequest(provider, headers, query, trace_id)
 
     def _prepare(self, request: CallbackRequest, body: bytes, verified: Verified) -> InboxRow:
         """The row to store for an authentic ``body``: parsed (row 8), dedup key and ids from
         the adapter, the payload minimized."""
         provider = request.provider
-        text, payload = self._parse(body)
+        text, payload = parse_body(body, self.config.max_json_depth)
         payload_hash = hashlib.sha256(body).digest()
         try:
             info = provider.dedup(request.headers, payload, verified, payload_hash)
@@ -536,7 +369,7 @@ class CallbackEndpoint:
             # same jsonb value; numbers keep their exact digits). Equality is cheap here, as
             # redaction shares every container it did not change.
             payload_json = (
-                text if minimized is payload or minimized == payload else _ENCODER.encode(minimized)
+                text if minimized is payload or minimized == payload else ENCODER.encode(minimized)
             )
         except Exception as exc:  # an adapter bug: 500, the provider retries later
             log(
@@ -546,8 +379,8 @@ class CallbackEndpoint:
                 error=type(exc).__name__,
                 trace_id=request.trace_id,
             )
-            raise _Reject(500, "internal", "adapter_error") from None
-        return self._row(
+            raise Reject(500, "internal", "adapter_error") from None
+        return inbox_row(
             provider.name, info, verified, payload_hash, payload_json, request.trace_id
         )
 
@@ -596,59 +429,6 @@ class CallbackEndpoint:
             return await provider.verifier.verify(headers, body, self.clock(), callback_token=token)
         except VerificationError as exc:
             raise _verification_rejection(exc, self.config) from None
-
-    def _parse(self, body: bytes) -> tuple[str, dict[str, Any]]:
-        try:
-            text = body.decode("utf-8")
-        except UnicodeDecodeError:
-            raise _Reject(400, "invalid_encoding", "invalid_encoding") from None
-        try:
-            if text[:1] == "{":  # an object from the first byte: scan it, check what follows
-                payload, end = _SCAN_ONCE(text, 0)
-                if end != len(text) and text[end:].strip(_JSON_SPACE):
-                    raise ValueError("extra data")
-            else:  # anything else: the decoder's own whitespace and error handling
-                payload = _DECODER.decode(text)
-        except _Unstorable:
-            raise _Reject(422, "invalid_payload", "invalid_payload") from None
-        except (ValueError, RecursionError, StopIteration):
-            raise _Reject(422, "invalid_json", "invalid_json") from None
-        if not isinstance(payload, dict):
-            raise _Reject(422, "invalid_payload", "invalid_payload")
-        # Fast path: without a \u escape no string can hold NUL or a lone surrogate (raw ones
-        # are not valid JSON / UTF-8), and with few brackets the nesting cannot be too deep.
-        if "\\u" in text or text.count("{") + text.count("[") > self.config.max_json_depth:
-            try:
-                _check_storable(payload, self.config.max_json_depth)
-            except ValueError:
-                raise _Reject(422, "invalid_payload", "invalid_payload") from None
-        return text, payload
-
-    def _row(
-        self,
-        provider: str,
-        info: DedupInfo,
-        verified: Verified,
-        payload_hash: bytes,
-        payload_json: str,
-        trace_id: str,
-    ) -> InboxRow:
-        return InboxRow(
-            provider=provider,
-            dedup_key=_key(info.dedup_key),
-            payload_hash=payload_hash,
-            payload_json=payload_json,
-            received_at=datetime.now(UTC),
-            provider_event_id=_clean(info.provider_event_id),
-            provider_task_id=_clean(info.provider_task_id),
-            client_request_id=_clean(info.client_request_id),
-            provider_occurred_at=info.occurred_at,
-            signature_key_version=_clean(verified.key_version),
-            event_type=_clean(info.event_type),
-            attempt_id=_clean(verified.attempt_id),
-            payload_authenticated=verified.payload_authenticated,
-            trace_id=trace_id,
-        )
 
 
 async def _send_answer(send: Send, answer: Answer) -> None:

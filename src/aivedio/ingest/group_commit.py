@@ -29,6 +29,9 @@ refuses) makes the flusher insert that batch's rows one by one, so the bad row a
 
 Rows are sorted by ``(provider, dedup_key)`` inside a batch, so concurrent batches (several
 gateway replicas) take the unique-index locks in one order and cannot deadlock.
+
+The row and the writer's errors are in :mod:`.inbox_row`; the statement, its parameter and the
+slots' held connections in :mod:`.inbox_batch`.
 """
 
 from __future__ import annotations
@@ -36,35 +39,31 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
 import time
-import uuid
 import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
-from enum import StrEnum
 
 import asyncpg
-import orjson
 from prometheus_client import Gauge, Histogram
 
-from aivedio.db.handoff import HandedRow, Handoff
-from aivedio.db.pool import UNAVAILABLE_ERRORS, Database
-from aivedio.errors import AivedioError, DatabaseUnavailable
+from aivedio.db.handoff import Handoff
+from aivedio.db.pool import Database
+from aivedio.errors import DatabaseUnavailable
+from aivedio.ingest.inbox_batch import Held
+from aivedio.ingest.inbox_row import (
+    InboxClosed,
+    InboxError,
+    InboxFull,
+    InboxRow,
+    Outcome,
+    check_row,
+    handed_row,
+)
 from aivedio.logs import log
 
-__all__ = [
-    "GroupCommitConfig",
-    "InboxClosed",
-    "InboxError",
-    "InboxFull",
-    "InboxRow",
-    "InboxWriter",
-    "Outcome",
-    "expire_processed_payloads",
-]
+__all__ = ["GroupCommitConfig", "InboxWriter"]
 
 logger = logging.getLogger("aivedio.ingest")
 
@@ -91,48 +90,6 @@ _WRITERS: weakref.WeakSet[InboxWriter] = weakref.WeakSet()
 QUEUE_DEPTH.set_function(lambda: float(sum(writer.queued for writer in list(_WRITERS))))
 
 
-class Outcome(StrEnum):
-    NEW = "new"
-    """The row was inserted and committed by this batch."""
-    DUPLICATE = "duplicate"
-    """A row with this (provider, dedup_key) was already committed; nothing changed."""
-
-
-class InboxError(AivedioError):
-    """The database refused this row (not an outage): the gateway answers 500."""
-
-
-class InboxFull(AivedioError):
-    """The queue is at its bound: the gateway answers 503 at once rather than queue further."""
-
-
-class InboxClosed(AivedioError):
-    """The writer is shutting down and takes no more rows (503)."""
-
-
-@dataclass(slots=True, kw_only=True)
-class InboxRow:
-    """One callback as stored. ``payload_json`` is the minimized payload, already serialized as
-    one JSON document (the gateway's parse guarantees it; the batch splices it in as is).
-    (Not frozen: a frozen dataclass's ``__init__`` costs 2x, once per callback; never changed
-    after it is built all the same.)"""
-
-    provider: str
-    dedup_key: str
-    payload_hash: bytes
-    payload_json: str | None
-    received_at: datetime
-    provider_event_id: str | None = None
-    provider_task_id: str | None = None
-    client_request_id: str | None = None
-    provider_occurred_at: datetime | None = None
-    signature_key_version: str | None = None
-    event_type: str | None = None
-    attempt_id: str | None = None
-    payload_authenticated: bool = True
-    trace_id: str | None = None
-
-
 @dataclass(frozen=True, slots=True)
 class GroupCommitConfig:
     max_batch: int = 512
@@ -151,132 +108,6 @@ class GroupCommitConfig:
     """Batches being inserted at once, each on its own pool connection: the next batch does not
     wait for the previous one's commit (WAL flush), so a slow commit delays one batch, not the
     queue behind it. 1: one batch after the other."""
-
-
-# The batch travels as ONE parameter, JSON text read as jsonb (text: the pool's jsonb codec would
-# encode the string again): an array of rows, each an array in this column order, the stored
-# payload spliced in as a JSON value (not a string), so PostgreSQL parses it once, with the
-# rest. Against 14 typed array parameters (unnest), measured: asyncpg spent ~5 us of CPU per row
-# encoding the arrays (timestamps, text, bytea), orjson ~1 us here; the callback server's CPU
-# per callback went from 86 to 76 us at the max rate (bench ingest, two server processes).
-_COLUMNS = (
-    ("provider", "r->>0"),
-    ("dedup_key", "r->>1"),
-    ("provider_event_id", "r->>2"),
-    ("provider_task_id", "r->>3"),
-    ("client_request_id", "r->>4"),
-    ("provider_occurred_at", "(r->>5)::timestamptz"),
-    ("received_at", "(r->>6)::timestamptz"),
-    ("signature_key_version", "r->>7"),
-    ("payload_hash", "decode(r->>8, 'hex')"),
-    ("payload", "nullif(r->9, 'null'::jsonb)"),  # JSON null -> SQL NULL (no payload kept)
-    ("trace_id", "r->>10"),
-    ("event_type", "r->>11"),
-    ("attempt_id", "r->>12"),
-    ("payload_authenticated", "(r->>13)::boolean"),
-)
-
-# $2 and $3: the lease of a handoff (aivedio.db.handoff), both NULL without one: the rows are
-# stored already claimed by the inbox processor of this process, which takes them from memory.
-INSERT_BATCH = """
-INSERT INTO provider_callback_inbox ({names}, lease_token, lease_until)
-SELECT {selected}, $2::uuid, now() + make_interval(secs => $3::float8)
-FROM jsonb_array_elements($1::text::jsonb) AS r
-ON CONFLICT (provider, dedup_key) DO NOTHING
-RETURNING id, provider, dedup_key
-""".format(
-    names=", ".join(name for name, _ in _COLUMNS),
-    selected=", ".join(expression for _, expression in _COLUMNS),
-)
-
-EXPIRE_PAYLOADS = """
-UPDATE provider_callback_inbox SET payload = NULL
-WHERE process_status = 'processed' AND payload IS NOT NULL AND processed_at < $1
-"""
-
-
-def _utc(at: datetime | None) -> datetime | None:
-    """As PostgreSQL gives a timestamptz back: aware (a naive one is UTC, as the batch sent it)."""
-    return at.replace(tzinfo=UTC) if at is not None and at.tzinfo is None else at
-
-
-def handed_row(row: InboxRow, inbox_id: int) -> HandedRow:
-    """A stored row as the inbox processor's claim would have returned it (``inbox_claim``)."""
-    return {
-        "id": inbox_id,
-        "provider": row.provider,
-        "dedup_key": row.dedup_key,
-        "provider_event_id": row.provider_event_id,
-        "provider_task_id": row.provider_task_id,
-        "client_request_id": row.client_request_id,
-        "provider_occurred_at": _utc(row.provider_occurred_at),
-        "received_at": _utc(row.received_at),
-        "payload": None if row.payload_json is None else orjson.loads(row.payload_json),
-        "process_status": "pending",
-        "retry_count": 0,
-        "event_type": row.event_type,
-        "attempt_id": row.attempt_id,
-        "payload_authenticated": row.payload_authenticated,
-        "trace_id": row.trace_id,
-    }
-
-
-def _batch_json(rows: list[InboxRow]) -> str:
-    """The ``INSERT_BATCH`` parameter: ``[[provider, dedup_key, ..., payload, ...], ...]``.
-
-    One ``orjson.dumps`` for the batch, the payload's own JSON text spliced in as a
-    ``Fragment`` (already serialized by the adapter: not parsed, not re-encoded); timestamps as
-    RFC 3339, the hash in hex (0.8 us per row against 1.6 for two dumps per row joined). A
-    payload that is not valid JSON makes PostgreSQL refuse the batch, and the writer then
-    inserts its rows one by one, as for any refused row."""
-    return orjson.dumps(
-        [
-            [
-                r.provider,
-                r.dedup_key,
-                r.provider_event_id,
-                r.provider_task_id,
-                r.client_request_id,
-                r.provider_occurred_at,
-                r.received_at,
-                r.signature_key_version,
-                r.payload_hash.hex(),
-                None if r.payload_json is None else orjson.Fragment(r.payload_json),
-                r.trace_id,
-                r.event_type,
-                r.attempt_id,
-                r.payload_authenticated,
-            ]
-            for r in rows
-        ],
-        option=orjson.OPT_NAIVE_UTC,  # as asyncpg sent a naive datetime: UTC
-    ).decode()
-
-
-_UNENCODABLE = re.compile(r"[\x00\ud800-\udfff]")
-
-
-def _check_row(row: InboxRow) -> None:
-    """Refuse, alone, a row the driver could not even send (NUL, lone surrogates): such a row
-    must never reach a batch, where its encoding error would fail every other row with it."""
-    text = "".join(
-        (
-            row.provider,
-            row.dedup_key,
-            row.payload_json or "",
-            row.provider_event_id or "",
-            row.provider_task_id or "",
-            row.client_request_id or "",
-            row.signature_key_version or "",
-            row.trace_id or "",
-            row.event_type or "",
-            row.attempt_id or "",
-        )
-    )
-    if text.isascii() and "\x00" not in text:  # the common case: two scans, no regex
-        return
-    if _UNENCODABLE.search(text):
-        raise InboxError("the callback holds text PostgreSQL cannot store")
 
 
 Done = Callable[[Outcome | BaseException], None]
@@ -339,7 +170,7 @@ class InboxWriter:
         # (glibc no longer caches it), which was 3 % of the callback server's CPU per submit.
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
-        self._held: list[_Held] = []  # the slots' connections
+        self._held: list[Held] = []  # the slots' connections
         _WRITERS.add(self)
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -397,7 +228,7 @@ class InboxWriter:
         queue = self._queue
         if len(queue) >= self.config.max_queue:
             raise InboxFull("the callback inbox queue is full")
-        _check_row(row)
+        check_row(row)
         queue.append(_Waiter(row, done))
         self._wakeup.set()
         if len(queue) >= self.config.max_batch:
@@ -407,7 +238,7 @@ class InboxWriter:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        self._held = [_Held(self.db) for _ in range(max(1, self.config.max_inflight))]
+        self._held = [Held(self.db) for _ in range(max(1, self.config.max_inflight))]
         slots = [
             loop.create_task(self._slot(held), name=f"inbox-group-commit-slot-{n}")
             for n, held in enumerate(self._held)
@@ -420,7 +251,7 @@ class InboxWriter:
             await asyncio.gather(*slots, return_exceptions=True)
             raise
 
-    async def _slot(self, held: _Held) -> None:
+    async def _slot(self, held: Held) -> None:
         """One of the ``max_inflight`` slots: a batch at a time, taken as soon as it is free."""
         queue = self._queue
         try:
@@ -450,7 +281,7 @@ class InboxWriter:
         finally:
             await held.release()
 
-    async def _flush_batch(self, batch: list[_Waiter], held: _Held) -> None:
+    async def _flush_batch(self, batch: list[_Waiter], held: Held) -> None:
         """Insert one batch and settle its waiters, whatever happens (never raises but for
         cancellation, which settles them as closed)."""
         try:
@@ -465,7 +296,7 @@ class InboxWriter:
             for waiter in batch:
                 _settle(waiter, InboxError("the callback could not be stored"))
 
-    async def _flush(self, batch: list[_Waiter], held: _Held) -> None:
+    async def _flush(self, batch: list[_Waiter], held: Held) -> None:
         # First occurrence of each key is inserted; later ones in the batch are duplicates.
         first: dict[tuple[str, str], _Waiter] = {}
         repeats: list[_Waiter] = []
@@ -509,7 +340,7 @@ class InboxWriter:
             _settle(waiter, Outcome.DUPLICATE)
 
     async def _flush_one_by_one(
-        self, unique: list[_Waiter], repeats: list[_Waiter], held: _Held
+        self, unique: list[_Waiter], repeats: list[_Waiter], held: Held
     ) -> None:
         failed: dict[tuple[str, str], BaseException] = {}
         for waiter in unique:
@@ -532,92 +363,5 @@ class InboxWriter:
             _settle(waiter, failed.get(key, Outcome.DUPLICATE))
 
 
-def _alive(conn: asyncpg.Connection) -> bool:
-    try:
-        return not conn.is_closed()
-    except asyncpg.InterfaceError:  # the pool took it back when its session ended
-        return False
-
-
 _HOLD_IDLE_S = 1.0
 """How long a slot keeps its connection without a row to insert."""
-
-
-class _Held:
-    """A slot's pooled connection, kept from one batch to the next and given back after
-    ``_HOLD_IDLE_S`` without rows: an acquire and a release per batch (asyncpg's pool: a
-    timeout, a shielded task) were a third of the writer's CPU for a one-row batch (a one-off
-    profile of the writer alone)."""
-
-    __slots__ = ("conn", "db")
-
-    def __init__(self, db: Database) -> None:
-        self.db = db
-        self.conn: asyncpg.Connection | None = None
-
-    async def insert(
-        self, rows: list[InboxRow], lease: tuple[uuid.UUID, float] | None = None
-    ) -> dict[tuple[str, str], int]:
-        """``INSERT_BATCH`` of ``rows`` (leased ``(token, seconds)`` when given), committed on
-        return; the keys it inserted and their row ids.
-
-        A connection that fails is given back (the pool replaces it). When it was a held one
-        (its session may have ended while it waited: a server restart, a terminated backend),
-        the batch is tried once more on a new connection: ``ON CONFLICT DO NOTHING`` makes
-        the second try safe whether or not the first committed."""
-        batch = _batch_json(rows)
-        token, lease_s = lease if lease is not None else (None, None)
-        reused = self.conn is not None and _alive(self.conn)
-        try:
-            return await self._fetch(batch, token, lease_s)
-        except DatabaseUnavailable as exc:
-            if not reused:
-                raise
-            log(logger, logging.WARNING, "inbox connection lost; once more on a new one",
-                error=str(exc))  # fmt: skip
-        return await self._fetch(batch, token, lease_s)
-
-    async def _fetch(
-        self, batch: str, token: uuid.UUID | None, lease_s: float | None
-    ) -> dict[tuple[str, str], int]:
-        conn = self.conn
-        if conn is not None and not _alive(conn):
-            await self.release()
-            conn = None
-        if conn is None:
-            conn = self.conn = await self.db.acquire()
-        try:
-            records = await conn.fetch(INSERT_BATCH, batch, token, lease_s)
-        except asyncpg.PostgresError as exc:
-            if isinstance(exc, UNAVAILABLE_ERRORS):  # e.g. terminated by an administrator
-                await self.discard()
-                raise DatabaseUnavailable(f"PostgreSQL unavailable: {type(exc).__name__}") from exc
-            raise  # the database refused the statement: the session itself is fine
-        except Exception as exc:  # the connection failed (lost, timed out, driver state)
-            await self.discard()
-            raise DatabaseUnavailable(f"PostgreSQL unavailable: {type(exc).__name__}") from exc
-        except BaseException:  # cancelled mid-statement: the session's state is unknown
-            await self.release()
-            raise
-        return {(r["provider"], r["dedup_key"]): r["id"] for r in records}
-
-    async def release(self) -> None:
-        conn, self.conn = self.conn, None
-        if conn is not None:
-            await self.db.release(conn)
-
-    async def discard(self) -> None:
-        """Give back a connection that failed: terminated, never reused by the pool."""
-        conn, self.conn = self.conn, None
-        if conn is not None:
-            await self.db.discard(conn)
-
-
-async def expire_processed_payloads(db: Database, older_than: timedelta) -> int:
-    """Null the ``payload`` of rows processed more than ``older_than`` ago; the number nulled.
-
-    The row itself stays (its dedup key keeps absorbing late duplicates, its hash stays for
-    audits); only the provider's content goes. Called by the reconciler on a schedule."""
-    async with db.connection() as conn:
-        status = await conn.execute(EXPIRE_PAYLOADS, datetime.now(UTC) - older_than)
-    return int(status.rsplit(" ", 1)[-1])

@@ -48,7 +48,10 @@ Failures
     a payload the adapter cannot parse (or an unknown provider) -> ``retry`` with a redacted
     sample in ``last_error_sample``, ``dead`` after ``parse_max_tries``; a re-fetch that fails
     (429 / 5xx / 404 / timeout) -> ``retry``, ``dead`` after ``refetch_max_tries``. Dead letters
-    are listed by :func:`list_dead_letters` and requeued by :func:`replay`.
+    are listed by :func:`~aivedio.ingest.retries.list_dead_letters` and requeued by
+    :func:`~aivedio.ingest.retries.replay`. The steps' values are in
+    :mod:`aivedio.ingest.prepare`, the backoff and the deferral counters in
+    :mod:`aivedio.ingest.retries`.
 """
 
 from __future__ import annotations
@@ -56,55 +59,39 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
-import re
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
 
-import asyncpg
 from prometheus_client import Counter, Histogram
 
 from aivedio.db.handoff import HandedRow, Handoff
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.db.wakeup import IdleListener, wait_any
-from aivedio.domain.observation import ProviderObservation, Source
+from aivedio.domain.observation import Source
 from aivedio.errors import DatabaseUnavailable
+from aivedio.ingest.prepare import (
+    Attempts,
+    Defer,
+    InboxRecord,
+    Normalized,
+    Ready,
+    fields_of,
+    refetch,
+)
+from aivedio.ingest.retries import backoff_s, record_deferral
 from aivedio.logs import log, trace_id_var
 from aivedio.process import health
-from aivedio.process.parts import RoleLoop, RoleParts
-from aivedio.providers.port import (
-    InboxFields,
-    JobState,
-    MalformedResponse,
-    NotFoundYet,
-    PayloadError,
-    ProviderAdapter,
-    ProviderError,
-    RateLimited,
-)
+from aivedio.providers.port import PayloadError, ProviderAdapter
 from aivedio.providers.redact import sample_of
-from aivedio.providers.registry import build_providers, providers_config
-from aivedio.runtime import Runtime
 from aivedio.state.service import ApplyResult, StateService
 
-__all__ = [
-    "InboxConfig",
-    "InboxProcessor",
-    "backoff_s",
-    "inbox_role",
-    "list_dead_letters",
-    "replay",
-]
+__all__ = ["IDLE_LOCK", "NOTIFY_CHANNEL", "InboxConfig", "InboxProcessor"]
 
 logger = logging.getLogger("aivedio.ingest.processor")
-
-InboxRecord = asyncpg.Record | HandedRow
-"""A row to process: as ``inbox_claim`` returned it, or as the group commit handed it over."""
 
 NOTIFY_CHANNEL = "aivedio_inbox"
 IDLE_LOCK = 0x494E4258  # "INBX"; the same number is in migration 0009's trigger
@@ -113,26 +100,6 @@ PROCESSED = Counter(
     "aivedio_inbox_processed_total",
     "Inbox rows applied through the state service, by outcome (applied / ignored / conflict)",
     ["provider", "outcome"],
-)
-ORPHANS = Counter(
-    "aivedio_inbox_orphans_total",
-    "Inbox rows that could not be mapped to an attempt this time (retried with backoff)",
-    ["provider", "reason"],
-)
-RETRIES = Counter(
-    "aivedio_inbox_retries_total",
-    "Inbox rows deferred for a parse or re-fetch failure",
-    ["provider", "reason"],
-)
-DEAD_LETTERS = Counter(
-    "aivedio_inbox_dead_letters_total",
-    "Inbox rows moved to dead letter after their last try",
-    ["provider", "reason"],
-)
-REFETCHES = Counter(
-    "aivedio_inbox_refetches_total",
-    "Provider queries made for unsigned callbacks before applying them, by result",
-    ["provider", "result"],
 )
 PROCESS_SECONDS = Histogram(
     "aivedio_inbox_process_seconds",
@@ -168,158 +135,6 @@ class InboxConfig:
     backoff_cap_s: float = 600.0
     error_backoff_s: float = 1.0
     """Pause of the loop after a database outage."""
-
-
-def backoff_s(
-    tries: int, base_s: float, cap_s: float, rand: Callable[[], float] = random.random
-) -> float:
-    """Delay before try ``tries + 1``: ``min(cap, base * 2^(tries-1)) * uniform(0.8, 1.2)``."""
-    exponent = max(0, tries - 1)
-    delay = cap_s if exponent >= 64 else min(cap_s, base_s * 2.0**exponent)
-    return delay * (0.8 + 0.4 * rand())
-
-
-@dataclass(frozen=True, slots=True)
-class _Attempt:
-    id: uuid.UUID
-    client_request_id: str
-    provider_task_id: str | None
-    project_id: uuid.UUID
-
-
-@dataclass(frozen=True, slots=True)
-class _Normalized:
-    """A claimed row as its adapter read it, not mapped yet."""
-
-    row: InboxRecord
-    adapter: ProviderAdapter
-    fields: InboxFields
-    claimed: JobState
-    started: float  # perf_counter at the start of its processing
-
-    @property
-    def task_id(self) -> str | None:
-        return self.claimed.provider_task_id or self.fields.provider_task_id
-
-    @property
-    def request_id(self) -> str | None:
-        return self.claimed.client_request_id or self.fields.client_request_id
-
-
-class _Attempts:
-    """The attempts the rows of one claim may belong to, read with one statement; ``resolve``
-    maps a row: the attempt id a callback token authenticated, else ``(provider,
-    provider_task_id)``, else ``(provider, client_request_id)`` (a callback before the submit
-    response; refused if the attempt already has another provider task id)."""
-
-    def __init__(self, rows: list[asyncpg.Record]) -> None:
-        self.by_id = {r["id"]: r for r in rows}
-        self.by_task = {(r["provider"], r["provider_task_id"]): r for r in rows}
-        self.by_request = {(r["provider"], r["client_request_id"]): r for r in rows}
-
-    @classmethod
-    async def read(cls, db: Database, items: list[_Normalized]) -> _Attempts:
-        ids: list[uuid.UUID] = []
-        tasks: list[tuple[str, str]] = []
-        requests: list[tuple[str, str]] = []
-        for item in items:
-            provider = item.fields.provider
-            if item.fields.attempt_id is not None:
-                with contextlib.suppress(ValueError):  # resolve() refuses it
-                    ids.append(uuid.UUID(item.fields.attempt_id))
-            if item.task_id is not None:
-                tasks.append((provider, item.task_id))
-            if item.request_id is not None:
-                requests.append((provider, item.request_id))
-        async with db.connection() as conn:
-            rows = await conn.fetch(
-                q("attempts_for_callbacks"),
-                ids,
-                [p for p, _ in tasks],
-                [t for _, t in tasks],
-                [p for p, _ in requests],
-                [r for _, r in requests],
-            )
-        return cls(rows)
-
-    def resolve(self, fields: InboxFields, claimed: JobState) -> _Attempt:
-        provider = fields.provider
-        task_id = claimed.provider_task_id or fields.provider_task_id
-        request_id = claimed.client_request_id or fields.client_request_id
-        found = None
-        if fields.attempt_id is not None:
-            try:
-                attempt_id = uuid.UUID(fields.attempt_id)
-            except ValueError:
-                raise _Defer("parse", "bad_attempt_id") from None
-            found = self.by_id.get(attempt_id)
-            if found is None or found["provider"] != provider:
-                raise _Defer("orphan", "unknown_attempt")
-        if found is None and task_id is not None:
-            found = self.by_task.get((provider, task_id))
-        if found is None and request_id is not None:
-            found = self.by_request.get((provider, request_id))
-            if found is not None and found["provider_task_id"] not in (None, task_id):
-                raise _Defer("orphan", "task_id_mismatch")
-        if found is None:
-            raise _Defer("orphan", "unmapped")
-        return _Attempt(
-            found["id"], found["client_request_id"], found["provider_task_id"], found["project_id"]
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class _Ready:
-    """A claimed row, prepared outside any transaction: what to apply, and where."""
-
-    row: InboxRecord
-    adapter: ProviderAdapter
-    attempt: _Attempt
-    state: JobState
-    obs: ProviderObservation
-    started: float  # perf_counter at the start of its processing
-
-    @property
-    def teaches_task_id(self) -> bool:
-        """The callback taught the attempt its provider task id (it came before the submit
-        response)."""
-        return self.attempt.provider_task_id is None and self.state.provider_task_id is not None
-
-
-class _Defer(Exception):
-    """Control flow: the row is not processed now (orphan or retry)."""
-
-    def __init__(
-        self,
-        kind: str,
-        code: str,
-        sample: str | None = None,
-        min_delay_s: float | None = None,
-    ) -> None:
-        super().__init__(code)
-        self.kind = kind  # "orphan" | "parse" | "refetch"
-        self.code = code
-        self.sample = sample
-        self.min_delay_s = min_delay_s
-
-
-def _snake(name: str) -> str:
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
-
-
-def _fields(row: InboxRecord) -> InboxFields:
-    return InboxFields(
-        provider=row["provider"],
-        dedup_key=row["dedup_key"],
-        provider_event_id=row["provider_event_id"],
-        provider_task_id=row["provider_task_id"],
-        client_request_id=row["client_request_id"],
-        provider_occurred_at=row["provider_occurred_at"],
-        event_type=row["event_type"],
-        attempt_id=row["attempt_id"],
-        payload_authenticated=row["payload_authenticated"],
-        received_at=row["received_at"],
-    )
 
 
 class InboxProcessor:
@@ -426,14 +241,14 @@ class InboxProcessor:
         if not normalized:
             return
         try:
-            attempts = await _Attempts.read(self.db, normalized)
+            attempts = await Attempts.read(self.db, normalized)
         except DatabaseUnavailable:
             # The leases run out and the rows are claimed again: nothing was committed.
             log(logger, logging.WARNING, "inbox rows left for later", rows=len(normalized))
             return
         limit = asyncio.Semaphore(self.config.concurrency)
 
-        async def prepare(item: _Normalized) -> _Ready | None:
+        async def prepare(item: Normalized) -> Ready | None:
             async with limit:
                 return await self._prepare(item, attempts, token)
 
@@ -450,7 +265,7 @@ class InboxProcessor:
         if item is None:
             return
         try:
-            attempts = await _Attempts.read(self.db, [item])
+            attempts = await Attempts.read(self.db, [item])
         except DatabaseUnavailable:
             log(logger, logging.WARNING, "inbox row left for later", inbox_id=row["id"])
             return
@@ -458,7 +273,7 @@ class InboxProcessor:
         if ready is not None:
             await self._apply_one(ready, token)
 
-    async def _normalize(self, row: InboxRecord, token: uuid.UUID) -> _Normalized | None:
+    async def _normalize(self, row: InboxRecord, token: uuid.UUID) -> Normalized | None:
         """The adapter's reading of a stored callback; None when the row was deferred."""
         started = time.perf_counter()
         provider = row["provider"]
@@ -466,55 +281,55 @@ class InboxProcessor:
         trace = trace_id_var.set(row["trace_id"])
         try:
             if adapter is None:
-                raise _Defer("parse", "unknown_provider")
-            fields = _fields(row)
+                raise Defer("parse", "unknown_provider")
+            fields = fields_of(row)
             payload = row["payload"]
             if not isinstance(payload, Mapping):
-                raise _Defer("parse", "no_payload")
+                raise Defer("parse", "no_payload")
             try:
                 claimed = adapter.normalize(payload, fields)
             except PayloadError as exc:
                 sample = exc.sample or sample_of(payload)
-                raise _Defer("parse", f"payload_{exc.code}", sample) from None
-            return _Normalized(row, adapter, fields, claimed, started)
-        except _Defer as defer:
+                raise Defer("parse", f"payload_{exc.code}", sample) from None
+            return Normalized(row, adapter, fields, claimed, started)
+        except Defer as defer:
             await self._defer(row, token, defer)
         except Exception as exc:  # a bug: retry, then dead letter
             self._failed(row, exc)
-            await self._defer(row, token, _Defer("parse", "internal_error"))
+            await self._defer(row, token, Defer("parse", "internal_error"))
         finally:
             trace_id_var.reset(trace)
         PROCESS_SECONDS.observe(time.perf_counter() - started)
         return None
 
     async def _prepare(
-        self, item: _Normalized, attempts: _Attempts, token: uuid.UUID
-    ) -> _Ready | None:
+        self, item: Normalized, attempts: Attempts, token: uuid.UUID
+    ) -> Ready | None:
         """Map one normalized row and (for unsigned providers) re-fetch its job; None when the
         row was deferred (orphan / retry / dead) or left for later instead."""
         row = item.row
         trace = trace_id_var.set(row["trace_id"])
         try:
             return await self._ready(item, attempts)
-        except _Defer as defer:
+        except Defer as defer:
             await self._defer(row, token, defer)
         except DatabaseUnavailable:
             # The lease runs out and the row is claimed again: nothing was committed.
             log(logger, logging.WARNING, "inbox row left for later", inbox_id=row["id"])
         except Exception as exc:  # a bug: retry, then dead letter
             self._failed(row, exc)
-            await self._defer(row, token, _Defer("parse", "internal_error"))
+            await self._defer(row, token, Defer("parse", "internal_error"))
         finally:
             trace_id_var.reset(trace)
         PROCESS_SECONDS.observe(time.perf_counter() - item.started)
         return None
 
-    async def _ready(self, item: _Normalized, attempts: _Attempts) -> _Ready:
+    async def _ready(self, item: Normalized, attempts: Attempts) -> Ready:
         row, adapter, fields, claimed = item.row, item.adapter, item.fields, item.claimed
         attempt = attempts.resolve(fields, claimed)
         state = claimed
         if adapter.needs_refetch_on_callback or not fields.payload_authenticated:
-            state = await self._refetch(adapter, attempt, claimed)
+            state = await refetch(adapter, attempt, claimed)
         obs = state.observation(
             adapter.name,
             attempt.id,
@@ -525,50 +340,11 @@ class InboxProcessor:
             inbox_id=row["id"],
             trace_id=row["trace_id"],
         )
-        return _Ready(row, adapter, attempt, state, obs, item.started)
-
-    async def _refetch(
-        self, adapter: ProviderAdapter, attempt: _Attempt, claimed: JobState
-    ) -> JobState:
-        """The provider's own answer for the job, instead of the unauthenticated body."""
-        task_id = attempt.provider_task_id or claimed.provider_task_id
-        if task_id is None:
-            raise _Defer("orphan", "no_task_id")
-        try:
-            state = await adapter.query(task_id)
-        except RateLimited as exc:
-            REFETCHES.labels(adapter.name, "rate_limited").inc()
-            raise _Defer("refetch", "refetch_rate_limited", min_delay_s=exc.retry_after_s) from None
-        except NotFoundYet:
-            REFETCHES.labels(adapter.name, "not_found").inc()
-            raise _Defer("refetch", "refetch_not_found") from None
-        except MalformedResponse as exc:
-            REFETCHES.labels(adapter.name, "malformed").inc()
-            raise _Defer("refetch", "refetch_malformed", exc.sample) from None
-        except ProviderError as exc:
-            reason = _snake(type(exc).__name__)
-            REFETCHES.labels(adapter.name, reason).inc()
-            raise _Defer("refetch", f"refetch_{reason}") from None
-        REFETCHES.labels(adapter.name, "ok").inc()
-        if attempt.provider_task_id is None and (
-            state.client_request_id is None or state.client_request_id != attempt.client_request_id
-        ):
-            # We only had the body's word for the job id: it must be the attempt's own job.
-            raise _Defer("orphan", "refetch_unconfirmed")
-        return JobState(
-            provider_task_id=state.provider_task_id or task_id,
-            status=state.status,
-            client_request_id=state.client_request_id,
-            progress=state.progress,
-            sequence=state.sequence,
-            occurred_at=state.occurred_at,
-            error_code=state.error_code,
-            output_ref=state.output_ref,
-        )
+        return Ready(row, adapter, attempt, state, obs, item.started)
 
     # -- applying ------------------------------------------------------------------------------
 
-    async def _apply_group(self, group: list[_Ready], token: uuid.UUID) -> None:
+    async def _apply_group(self, group: list[Ready], token: uuid.UUID) -> None:
         """A claim's prepared rows in one transaction, in inbox id order; see the module doc.
         A group of one is the one-row path."""
         if len(group) == 1:
@@ -613,7 +389,7 @@ class InboxProcessor:
         for ready, result in zip(live, results, strict=True):
             self._processed(ready, result)
 
-    async def _apply_one(self, ready: _Ready, token: uuid.UUID) -> None:
+    async def _apply_one(self, ready: Ready, token: uuid.UUID) -> None:
         """One prepared row in its own transaction; a failure defers it (retry, dead letter)."""
         row = ready.row
         trace = trace_id_var.set(row["trace_id"])
@@ -636,7 +412,7 @@ class InboxProcessor:
             log(logger, logging.WARNING, "inbox row left for later", inbox_id=row["id"])
         except Exception as exc:  # a bug or a refused write: retry, then dead letter
             self._failed(row, exc)
-            await self._defer(row, token, _Defer("parse", "internal_error"))
+            await self._defer(row, token, Defer("parse", "internal_error"))
         finally:
             trace_id_var.reset(trace)
 
@@ -644,7 +420,7 @@ class InboxProcessor:
         if self._on_applied is not None and any(r.event is not None for r in results):
             self._on_applied()
 
-    def _processed(self, ready: _Ready, result: ApplyResult) -> None:
+    def _processed(self, ready: Ready, result: ApplyResult) -> None:
         row = ready.row
         PROCESSED.labels(ready.adapter.name, str(result.outcome)).inc()
         PROCESS_SECONDS.observe(time.perf_counter() - ready.started)
@@ -673,21 +449,9 @@ class InboxProcessor:
             trace_id=row["trace_id"],
         )
 
-    async def _defer(self, row: InboxRecord, token: uuid.UUID, defer: _Defer) -> None:
-        cfg = self.config
-        tries = row["retry_count"] + 1
-        if defer.kind == "orphan":
-            status, max_tries = "orphan", cfg.orphan_max_tries
-            delay = backoff_s(tries, cfg.orphan_backoff_base_s, cfg.orphan_backoff_cap_s)
-        elif defer.kind == "refetch":
-            status, max_tries = "retry", cfg.refetch_max_tries
-            delay = backoff_s(tries, cfg.refetch_backoff_base_s, cfg.backoff_cap_s)
-        else:
-            status, max_tries = "retry", cfg.parse_max_tries
-            delay = backoff_s(tries, cfg.parse_backoff_base_s, cfg.backoff_cap_s)
-        if defer.min_delay_s is not None:
-            delay = max(delay, defer.min_delay_s)
-        provider = row["provider"]
+    async def _defer(self, row: InboxRecord, token: uuid.UUID, defer: Defer) -> None:
+        """Put the row back for a later try (orphan / retry), or dead-letter it after its last."""
+        status, max_tries, delay = self._retry_plan(defer, row["retry_count"] + 1)
         try:
             async with self.db.connection() as conn:
                 result = await conn.fetchrow(
@@ -704,87 +468,20 @@ class InboxProcessor:
             return  # the lease runs out; the row is tried again
         if result is None:
             return  # taken over by another processor
-        if result["process_status"] == "dead":
-            DEAD_LETTERS.labels(provider, defer.code).inc()
-            log(
-                logger,
-                logging.WARNING,
-                "inbox row dead-lettered",
-                inbox_id=row["id"],
-                provider=provider,
-                code=defer.code,
-                tries=result["retry_count"],
-            )
-        elif status == "orphan":
-            ORPHANS.labels(provider, defer.code).inc()
-            log(
-                logger,
-                logging.INFO,
-                "inbox row orphaned",
-                inbox_id=row["id"],
-                provider=provider,
-                code=defer.code,
-                tries=result["retry_count"],
-                retry_in_s=round(delay, 3),
-            )
+        record_deferral(row, defer, status, delay, result)
+
+    def _retry_plan(self, defer: Defer, tries: int) -> tuple[str, int, float]:
+        """The status a deferred row gets, its try budget and the delay before try ``tries``."""
+        cfg = self.config
+        if defer.kind == "orphan":
+            status, max_tries = "orphan", cfg.orphan_max_tries
+            delay = backoff_s(tries, cfg.orphan_backoff_base_s, cfg.orphan_backoff_cap_s)
+        elif defer.kind == "refetch":
+            status, max_tries = "retry", cfg.refetch_max_tries
+            delay = backoff_s(tries, cfg.refetch_backoff_base_s, cfg.backoff_cap_s)
         else:
-            RETRIES.labels(provider, defer.code).inc()
-            log(
-                logger,
-                logging.WARNING,
-                "inbox row deferred",
-                inbox_id=row["id"],
-                provider=provider,
-                code=defer.code,
-                tries=result["retry_count"],
-            )
-
-
-# --- operator functions (``aivedio inbox dead-letters`` / ``aivedio inbox replay ID``) ---------
-
-
-async def list_dead_letters(db: Database, limit: int = 50) -> list[dict[str, Any]]:
-    """The newest dead letters, without payloads (the sample is redacted)."""
-    async with db.connection() as conn:
-        rows = await conn.fetch(q("inbox_dead_letters"), limit)
-    return [
-        {
-            key: (value.isoformat() if isinstance(value, datetime) else value)
-            for key, value in row.items()
-        }
-        for row in rows
-    ]
-
-
-async def replay(db: Database, inbox_id: int) -> bool:
-    """Requeue one dead (or waiting orphan / retry) row now with a fresh try budget. False when
-    there is no such row or it was already processed."""
-    async with db.connection() as conn:
-        return await conn.fetchval(q("inbox_replay"), inbox_id) is not None
-
-
-# --- role -------------------------------------------------------------------------------------
-
-
-async def inbox_role(rt: Runtime) -> RoleParts:
-    """``aivedio run --role inbox``: one processor loop over the configured adapters."""
-    adapters = build_providers(providers_config(rt.settings))
-    processor = InboxProcessor(
-        rt.db,
-        rt.state,
-        adapters,
-        InboxConfig(lease_s=rt.settings.inbox_lease_s),
-        on_applied=rt.wakeups.outbox.fire,
-        handoff=rt.wakeups.inbox_rows,
-    )
-
-    async def loop(stopping: asyncio.Event) -> None:
-        rt.wakeups.inbox.subscribe(processor.idle.kick)
-        try:
-            await processor.run(stopping)
-        finally:
-            rt.wakeups.inbox.unsubscribe(processor.idle.kick)
-            for adapter in adapters.values():
-                await adapter.aclose()
-
-    return RoleParts(loops=[RoleLoop("processor", loop)])
+            status, max_tries = "retry", cfg.parse_max_tries
+            delay = backoff_s(tries, cfg.parse_backoff_base_s, cfg.backoff_cap_s)
+        if defer.min_delay_s is not None:
+            delay = max(delay, defer.min_delay_s)
+        return status, max_tries, delay

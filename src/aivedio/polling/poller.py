@@ -13,6 +13,10 @@ Intervals come from the pure :mod:`aivedio.polling.policy`, stretched by the rat
 demand in flight (re-read every ``stretch_refresh_s``) to the rate limits, so the scheduler
 targets intervals it can keep. A query failure never fails a task: after N consecutive ones the
 task becomes ``status_unknown``.
+
+A claimed attempt and the records of its query are in :mod:`aivedio.polling.claimed`, the
+breakers' part of a round in :mod:`aivedio.polling.breakers`, the stretch of a scope in
+:mod:`aivedio.polling.stretch`.
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 import asyncpg
 import redis.asyncio as aioredis
@@ -33,23 +36,24 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
-from aivedio.domain.observation import PlatformKind, PlatformObservation, ProviderStatus, Source
-from aivedio.domain.statuses import STATUS_TABLE, Status
+from aivedio.domain.observation import PlatformKind, PlatformObservation, Source
+from aivedio.domain.statuses import Status
 from aivedio.errors import DatabaseUnavailable
 from aivedio.logs import log
+from aivedio.polling.breakers import Breakers, allowance, feed
+from aivedio.polling.claimed import POLLED_STATUSES, Claimed, PollerStats, PollRecord, teaches
 from aivedio.polling.config import PollerConfig
 from aivedio.polling.policy import (
     AttemptFacts,
-    Breaker,
     BreakerState,
     Outcome,
     PollDecision,
     after_failure,
     after_success,
     scheduled_delay,
-    stretch_factor,
 )
 from aivedio.polling.ratelimit import RateLimiter, Scope, watched
+from aivedio.polling.stretch import scope_stretch
 from aivedio.process import health
 from aivedio.providers.port import (
     AuthFailed,
@@ -74,7 +78,6 @@ LAG = Histogram(
     "How late a claimed attempt was (claim time - next_poll_at)",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
 )
-BREAKER = Gauge("aivedio_poll_breaker_state", "0 closed, 1 half-open, 2 open", ["kind", "name"])
 STRETCH = Gauge(
     "aivedio_poll_stretch",
     "Interval stretch forced by the rate limits (max over scopes)",
@@ -92,85 +95,6 @@ LEASES_LOST = Counter("aivedio_poll_leases_lost_total", "Results dropped: the le
 RELEASED = Counter(
     "aivedio_poll_released_total", "Claimed attempts given back unqueried", ["reason"]
 )
-
-_BREAKER_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
-
-# Statuses whose attempts the poller queries: those the provider may still change, and
-# ``created`` (a submitter that recorded the provider task id before its accept was applied).
-POLLED_STATUSES: tuple[str, ...] = tuple(
-    [str(s) for s, row in STATUS_TABLE.items() if row.provider_active] + [str(Status.CREATED)]
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Claimed:
-    """One claimed attempt, as ``poll_claim`` returned it."""
-
-    attempt_id: uuid.UUID
-    task_id: uuid.UUID
-    project_id: uuid.UUID
-    status: Status
-    provider: str
-    provider_task_id: str
-    provider_status: ProviderStatus | None
-    last_seq: int | None
-    failures: int
-    unchanged: int
-    token: uuid.UUID
-    age_s: float
-    lag_s: float
-    scope: Scope
-
-    @classmethod
-    def of(cls, row: asyncpg.Record) -> Claimed:
-        status = row["provider_status"]
-        return cls(
-            attempt_id=row["id"],
-            task_id=row["task_id"],
-            project_id=row["project_id"],
-            status=Status(row["status"]),
-            provider=row["provider"],
-            provider_task_id=row["provider_task_id"],
-            provider_status=ProviderStatus(status) if status is not None else None,
-            last_seq=row["last_provider_seq"],
-            failures=row["poll_failures"],
-            unchanged=row["poll_unchanged"],
-            token=row["poll_lease_token"],
-            age_s=max(0.0, row["age_s"] or 0.0),
-            lag_s=row["lag_s"] or 0.0,
-            scope=Scope(row["provider"], row["model"], str(row["tenant_id"])),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class PollRecord:
-    """One query, for benchmarks and tests (``on_poll``). Times are ``time.time()``."""
-
-    attempt_id: uuid.UUID
-    replica: str
-    sent_at: float
-    answered_at: float
-    outcome: Outcome
-    delay_s: float | None
-    """The interval the scheduler targeted for the next poll; None once polling stopped or
-    when the lease had been lost."""
-    nominal_s: float
-    stretch: float
-    lag_s: float
-
-
-@dataclass(slots=True)
-class PollerStats:
-    claims: int = 0
-    claimed: int = 0
-    polls: int = 0
-    released: int = 0
-    stopped: int = 0
-    statements: int = 0
-    applied: int = 0
-    skipped: int = 0
-    leases_lost: int = 0
-    outcomes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
 
 
 class Poller:
@@ -203,7 +127,7 @@ class Poller:
         self.on_poll = on_poll
         self.credentials = dict(credentials or {})
         self.stats = PollerStats()
-        self.breakers: dict[tuple[str, str], Breaker] = {}
+        self.breakers: Breakers = {}
         self._demand: dict[tuple[str, str, str], float] = {}
         self._stretch: dict[Scope, float] = {}
         self._demand_at = -float("inf")
@@ -282,7 +206,7 @@ class Poller:
         give_back: list[tuple[Claimed, float, str]] = []
         granted_total = 0
         for scope, members in groups.items():
-            allowed, wait = self._breaker_allowance(scope.provider, len(members))
+            allowed, wait = allowance(self.breakers, scope.provider, len(members), self.clock())
             for row in members[allowed:]:
                 give_back.append((row, wait, "breaker"))
             members = members[:allowed]
@@ -301,26 +225,6 @@ class Poller:
         self._budget = max(1, granted_total)
         await self._release(give_back)
         return min(wait for _, wait, _ in give_back)
-
-    def _breaker_allowance(self, provider: str, wanted: int) -> tuple[int, float]:
-        now = self.clock()
-        allowed = wanted
-        wait = 0.0
-        for key in ((provider, "provider"), (provider, "credential")):
-            breaker = self.breakers.get(key)
-            if breaker is None:
-                continue
-            b = breaker.current(now)
-            if b.state is BreakerState.CLOSED:
-                continue
-            if b.state is BreakerState.HALF_OPEN and allowed > 0:
-                b, ok = b.allow(now)
-                allowed = 1 if ok else 0
-            else:
-                allowed = 0
-            self.breakers[key] = b
-            wait = max(wait, b.retry_in(now), 0.5)
-        return allowed, wait
 
     async def _release(self, rows: list[tuple[Claimed, float, str]]) -> None:
         async with self.db.connection() as conn:
@@ -359,36 +263,74 @@ class Poller:
 
     async def poll(self, row: Claimed, is_watched: bool = False) -> PollRecord:
         """Query one claimed attempt and write what it taught."""
-        adapter = self.adapters.get(row.provider)
         sent = time.time()
+        outcome, job, retry_after, sample = await self._query(row)
+        answered = time.time()
+        credential = self.credentials.get(row.provider, "default")
+        feed(self.breakers, row.provider, credential, outcome, self.config, self.clock())
+        QUERIES.labels(row.provider, str(outcome)).inc()
+        self.stats.polls += 1
+        self.stats.outcomes[str(outcome)] += 1
+        changed = job is not None and teaches(row, job)
+        decision = self._decide(row, job, changed, outcome, retry_after, is_watched)
+        stretch = self.stretch(row.scope)
+        delay = scheduled_delay(decision, stretch)
+        written = await self._write(row, job, changed, outcome, decision, delay, sample)
+        record = PollRecord(
+            attempt_id=row.attempt_id,
+            replica=self.name,
+            sent_at=sent,
+            answered_at=answered,
+            outcome=outcome,
+            delay_s=written,
+            nominal_s=decision.nominal_s,
+            stretch=stretch,
+            lag_s=row.lag_s,
+        )
+        if self.on_poll is not None:
+            self.on_poll(record)
+        return record
+
+    async def _query(
+        self, row: Claimed
+    ) -> tuple[Outcome, JobState | None, float | None, str | None]:
+        """Ask the provider: the outcome, the job when it answered, its retry-after hint and a
+        sample of what could not be read."""
+        adapter = self.adapters.get(row.provider)
         job: JobState | None = None
         retry_after: float | None = None
         sample: str | None = None
         if adapter is None:
-            outcome, sample = Outcome.MALFORMED, f"no adapter for provider {row.provider!r}"
-        else:
-            try:
-                async with asyncio.timeout(self.config.lease_s / 2):
-                    job = await adapter.query(row.provider_task_id)
-                outcome = Outcome.OK
-            except RateLimited as exc:
-                outcome, retry_after = Outcome.RATE_LIMITED, exc.retry_after_s
-                await self.limiter.penalize(row.provider, retry_after or 1.0)
-            except (ProviderUnavailable, TimeoutError):
-                outcome = Outcome.UNAVAILABLE
-            except NotFoundYet:
-                outcome = Outcome.NOT_FOUND
-            except AuthFailed:
-                outcome = Outcome.AUTH_FAILED
-            except MalformedResponse as exc:
-                outcome, sample = Outcome.MALFORMED, exc.sample
-            except ProviderError as exc:  # Rejected / Unsupported: not what a query answers
-                outcome, sample = Outcome.MALFORMED, sample_of(str(exc))
-        answered = time.time()
-        self._feed_breakers(row.provider, outcome)
-        QUERIES.labels(row.provider, str(outcome)).inc()
-        self.stats.polls += 1
-        self.stats.outcomes[str(outcome)] += 1
+            return Outcome.MALFORMED, None, None, f"no adapter for provider {row.provider!r}"
+        try:
+            async with asyncio.timeout(self.config.lease_s / 2):
+                job = await adapter.query(row.provider_task_id)
+            outcome = Outcome.OK
+        except RateLimited as exc:
+            outcome, retry_after = Outcome.RATE_LIMITED, exc.retry_after_s
+            await self.limiter.penalize(row.provider, retry_after or 1.0)
+        except (ProviderUnavailable, TimeoutError):
+            outcome = Outcome.UNAVAILABLE
+        except NotFoundYet:
+            outcome = Outcome.NOT_FOUND
+        except AuthFailed:
+            outcome = Outcome.AUTH_FAILED
+        except MalformedResponse as exc:
+            outcome, sample = Outcome.MALFORMED, exc.sample
+        except ProviderError as exc:  # Rejected / Unsupported: not what a query answers
+            outcome, sample = Outcome.MALFORMED, sample_of(str(exc))
+        return outcome, job, retry_after, sample
+
+    def _decide(
+        self,
+        row: Claimed,
+        job: JobState | None,
+        changed: bool,
+        outcome: Outcome,
+        retry_after: float | None,
+        is_watched: bool,
+    ) -> PollDecision:
+        """The policy's decision after this query, its alerts raised."""
         facts = AttemptFacts(
             task_status=row.status,
             provider_status=row.provider_status,
@@ -397,7 +339,6 @@ class Poller:
             failures=row.failures,
             watched=is_watched,
         )
-        changed = job is not None and _changed(row, job)
         if job is not None:
             decision = after_success(
                 facts, changed, self.config.policy, self.rand, provider_status=job.status
@@ -417,23 +358,7 @@ class Poller:
                 attempt_id=str(row.attempt_id),
                 failures=decision.failures,
             )
-        stretch = self.stretch(row.scope)
-        delay = scheduled_delay(decision, stretch)
-        written = await self._write(row, job, changed, outcome, decision, delay, sample)
-        record = PollRecord(
-            attempt_id=row.attempt_id,
-            replica=self.name,
-            sent_at=sent,
-            answered_at=answered,
-            outcome=outcome,
-            delay_s=written,
-            nominal_s=decision.nominal_s,
-            stretch=stretch,
-            lag_s=row.lag_s,
-        )
-        if self.on_poll is not None:
-            self.on_poll(record)
-        return record
+        return decision
 
     async def _write(
         self,
@@ -473,39 +398,53 @@ class Poller:
             self.stats.statements += 1
             return self._written(row, result)
         async with self.db.transaction() as conn:
-            statements = 2  # BEGIN, COMMIT
-            if job is not None:
-                obs = job.observation(row.provider, row.attempt_id, Source.POLL)
-                applied = await self.state.apply_in(conn, obs)
-                statements += 2
-                self.stats.applied += applied.event is not None
-            if decision.status_unknown:
-                await self.state.apply_in(
-                    conn,
-                    PlatformObservation(
-                        kind=PlatformKind.STATUS_UNKNOWN,
-                        attempt_id=row.attempt_id,
-                        source=Source.POLL,
-                    ),
-                )
-                statements += 2
-            if decision.reconcile is not None:
-                await conn.execute(
-                    q("poll_reconcile"),
-                    row.attempt_id,
-                    str(decision.reconcile),
-                    {
-                        "outcome": str(outcome),
-                        "failures": decision.failures,
-                        "provider_task_id": row.provider_task_id,
-                        "sample": sample,
-                    },
-                )
-                statements += 1
+            statements = 3  # BEGIN, the reschedule, COMMIT
+            statements += await self._apply_in(conn, row, job, outcome, decision, sample)
             result = await conn.fetchrow(q("poll_reschedule"), *args)
-            statements += 1
         self.stats.statements += statements
         return self._written(row, result)
+
+    async def _apply_in(
+        self,
+        conn: asyncpg.Connection,
+        row: Claimed,
+        job: JobState | None,
+        outcome: Outcome,
+        decision: PollDecision,
+        sample: str | None,
+    ) -> int:
+        """What the query taught, in the transaction ``conn``: the provider's answer, the
+        attempt given up as ``status_unknown``, a reconcile request. How many statements."""
+        statements = 0
+        if job is not None:
+            obs = job.observation(row.provider, row.attempt_id, Source.POLL)
+            applied = await self.state.apply_in(conn, obs)
+            statements += 2
+            self.stats.applied += applied.event is not None
+        if decision.status_unknown:
+            await self.state.apply_in(
+                conn,
+                PlatformObservation(
+                    kind=PlatformKind.STATUS_UNKNOWN,
+                    attempt_id=row.attempt_id,
+                    source=Source.POLL,
+                ),
+            )
+            statements += 2
+        if decision.reconcile is not None:
+            await conn.execute(
+                q("poll_reconcile"),
+                row.attempt_id,
+                str(decision.reconcile),
+                {
+                    "outcome": str(outcome),
+                    "failures": decision.failures,
+                    "provider_task_id": row.provider_task_id,
+                    "sample": sample,
+                },
+            )
+            statements += 1
+        return statements
 
     def _written(self, row: Claimed, result: asyncpg.Record | None) -> float | None:
         if result is None:
@@ -515,33 +454,6 @@ class Poller:
             return None
         delay: float | None = result["delay_s"]
         return delay
-
-    def _feed_breakers(self, provider: str, outcome: Outcome) -> None:
-        now = self.clock()
-        credential = self.credentials.get(provider, "default")
-        for kind, name, failed, config in (
-            (
-                "provider",
-                provider,
-                outcome is Outcome.UNAVAILABLE,
-                self.config.provider_breaker,
-            ),
-            (
-                "credential",
-                f"{provider}:{credential}",
-                outcome is Outcome.AUTH_FAILED,
-                self.config.credential_breaker,
-            ),
-        ):
-            key = (provider, kind)
-            breaker = self.breakers.get(key) or Breaker(config)
-            if failed:
-                breaker = breaker.on_failure(now)
-            elif outcome is not Outcome.RATE_LIMITED:
-                # Any answer but 429 proves the provider (and our credential) work.
-                breaker = breaker.on_success(now)
-            self.breakers[key] = breaker
-            BREAKER.labels(kind, name).set(_BREAKER_VALUE[breaker.current(now).state])
 
     # -- stretch ----------------------------------------------------------------------------
 
@@ -568,34 +480,9 @@ class Poller:
         cached = self._stretch.get(scope)
         if cached is not None:
             return cached
-        limits = self.limiter.config
-        total = provider = model = tenant = 0.0
-        for (p, m, t), demand in self._demand.items():
-            total += demand
-            if p == scope.provider:
-                provider += demand
-                if m == scope.model:
-                    model += demand
-            if t == scope.tenant:
-                tenant += demand
-        levels = [
-            (total, limits.global_limit.qps),
-            (provider, limits.provider_limit(scope.provider).qps),
-            (tenant, limits.tenant_limit(scope.tenant).qps),
-        ]
-        model_limit = limits.model_limit(scope.provider, scope.model)
-        if model_limit is not None:
-            levels.append((model, model_limit.qps))
-        value = stretch_factor(levels, self.config.utilization)
+        value = scope_stretch(self._demand, self.limiter.config, scope, self.config.utilization)
         self._stretch[scope] = value
         return value
-
-
-def _changed(row: Claimed, job: JobState) -> bool:
-    """Did the query teach something the attempt had not recorded?"""
-    if job.sequence is not None and row.last_seq is not None:
-        return job.sequence > row.last_seq
-    return job.status is not row.provider_status or job.sequence is not None
 
 
 async def _sleep_unless(stopping: asyncio.Event, seconds: float) -> None:
@@ -603,4 +490,4 @@ async def _sleep_unless(stopping: asyncio.Event, seconds: float) -> None:
         await asyncio.wait_for(stopping.wait(), seconds)
 
 
-__all__ = ["POLLED_STATUSES", "Claimed", "PollRecord", "Poller", "PollerStats"]
+__all__ = ["Poller"]

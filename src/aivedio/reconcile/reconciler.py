@@ -46,7 +46,7 @@ from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.domain.observation import PlatformKind, PlatformObservation, Source
 from aivedio.domain.statuses import STATUS_TABLE
-from aivedio.ingest.group_commit import expire_processed_payloads
+from aivedio.ingest.inbox_batch import expire_processed_payloads
 from aivedio.logs import log, trace_id_var
 from aivedio.process.rounds import run_rounds
 from aivedio.providers.port import NotFoundYet, ProviderAdapter, ProviderError, Unsupported
