@@ -345,7 +345,7 @@ class NotificationDispatcher:
                 log(
                     logger,
                     logging.DEBUG,
-                    "events published to the fan-out",
+                    "events published to redis",  # the documented log line (metrics.md)
                     events=[
                         {"task_id": e.task_id, "seq": e.seq, "trace_id": e.trace_id}
                         for _, e in publish
