@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -192,7 +191,6 @@ def test_cli_up_outlives_the_process_and_down_stops(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AIVEDIO_")}
     env["AIVEDIO_REDIS_URL"] = fake_redis
     try:
-        started = time.monotonic()
         up = _cli("services", "up", "--data-dir", str(data_dir), env=env)
         assert up.returncode == 0, up.stderr
         urls = json.loads(up.stdout.strip().splitlines()[-1])
@@ -200,7 +198,6 @@ def test_cli_up_outlives_the_process_and_down_stops(tmp_path: Path) -> None:
         assert urls["redis_url"] == fake_redis
         assert not (data_dir / "valkey").exists()
         assert set(_state(data_dir)) == {"postgres", "nats"}
-        assert time.monotonic() - started < 60
 
         # The `up` process has exited; its servers still answer.
         async def check() -> None:
