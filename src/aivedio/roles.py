@@ -27,11 +27,11 @@ from aivedio.errors import ConfigError, DatabaseUnavailable
 from aivedio.gateway import Gateway, stream_token_routes
 from aivedio.gateway.config import GatewayConfig
 from aivedio.gateway.outage import stream_outage_routes
-from aivedio.gateway.server import serve_http
 from aivedio.ingest.role import callbacks_role, inbox_role
 from aivedio.logs import log, setup_logging
 from aivedio.media.role import media_role, playback_routes_for
 from aivedio.polling.role import poller_role
+from aivedio.process.http_server import serve_http
 from aivedio.process.parts import RoleLoop, RoleParts
 from aivedio.process.restart import RestartPolicy, restart_delay
 from aivedio.process.supervisor import supervise
