@@ -108,8 +108,8 @@ async def _reconciler(rt: Runtime) -> RoleParts:
     return await _with_adapters(rt, lambda a: reconciler_loops(rt.db, rt.state, a))
 
 
-# The roles this build has. The operator contract names more (see cli.ROLES); they are added here
-# as they are built.
+# The roles this build has. The operator contract names more (see cli.serving.ROLES); they are
+# added here as they are built.
 AVAILABLE: dict[str, RoleFactory] = {
     "api": _api,
     "callbacks": callbacks_role,
