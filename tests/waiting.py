@@ -22,15 +22,21 @@ async def eventually(
     timeout: float = 30.0,
     *,
     interval: float = 0.02,
+    ignoring: tuple[type[BaseException], ...] = (),
 ) -> Any:
     """Call ``check`` (plain or async) until it returns something truthy, and return that.
 
+    An exception of a type in ``ignoring`` counts as "not yet" (a server still starting refuses
+    connections, a state file is not written yet); any other propagates at once.
     Raises ``AssertionError("timed out waiting for <what>")`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
-        result = check()
-        if inspect.isawaitable(result):
-            result = await result
+        try:
+            result = check()
+            if inspect.isawaitable(result):
+                result = await result
+        except ignoring:
+            result = None
         if result:
             return result
         if time.monotonic() > deadline:
