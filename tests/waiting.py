@@ -1,4 +1,5 @@
-"""The one way a test waits for something to happen: :func:`eventually`.
+"""The one way a test waits for something to happen: :func:`eventually` (and
+:func:`eventually_sync`, the same for a test without an event loop).
 
 A test asserts on conditions, never on how long something took (benchmarks measure time). The
 timeout only turns a hang into a failure with a name; it is generous on purpose, and a slow,
@@ -13,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["eventually"]
+__all__ = ["eventually", "eventually_sync"]
 
 
 async def eventually(
@@ -42,3 +43,26 @@ async def eventually(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(interval)
+
+
+def eventually_sync(
+    check: Callable[[], Any],
+    what: str = "condition",
+    timeout: float = 30.0,
+    *,
+    interval: float = 0.02,
+    ignoring: tuple[type[BaseException], ...] = (),
+) -> Any:
+    """:func:`eventually` for a synchronous test (one that drives subprocesses and blocks):
+    ``check`` is a plain callable, and the wait sleeps between calls."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            result = check()
+        except ignoring:
+            result = None
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
