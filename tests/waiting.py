@@ -1,4 +1,5 @@
-"""The one way a test waits for something to happen: :func:`eventually`.
+"""The one way a test waits for something to happen: :func:`eventually` (and
+:func:`eventually_sync`, the same for a test without an event loop).
 
 A test asserts on conditions, never on how long something took (benchmarks measure time). The
 timeout only turns a hang into a failure with a name; it is generous on purpose, and a slow,
@@ -13,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["eventually"]
+__all__ = ["eventually", "eventually_sync"]
 
 
 async def eventually(
@@ -22,17 +23,46 @@ async def eventually(
     timeout: float = 30.0,
     *,
     interval: float = 0.02,
+    ignoring: tuple[type[BaseException], ...] = (),
 ) -> Any:
     """Call ``check`` (plain or async) until it returns something truthy, and return that.
 
+    An exception of a type in ``ignoring`` counts as "not yet" (a server still starting refuses
+    connections, a state file is not written yet); any other propagates at once.
     Raises ``AssertionError("timed out waiting for <what>")`` after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
     while True:
-        result = check()
-        if inspect.isawaitable(result):
-            result = await result
+        try:
+            result = check()
+            if inspect.isawaitable(result):
+                result = await result
+        except ignoring:
+            result = None
         if result:
             return result
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(interval)
+
+
+def eventually_sync(
+    check: Callable[[], Any],
+    what: str = "condition",
+    timeout: float = 30.0,
+    *,
+    interval: float = 0.02,
+    ignoring: tuple[type[BaseException], ...] = (),
+) -> Any:
+    """:func:`eventually` for a synchronous test (one that drives subprocesses and blocks):
+    ``check`` is a plain callable, and the wait sleeps between calls."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            result = check()
+        except ignoring:
+            result = None
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)

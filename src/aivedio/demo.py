@@ -16,9 +16,9 @@ import uvicorn
 from aivedio.admin import create_project_in
 from aivedio.config import Settings
 from aivedio.db.migrate import migrate
-from aivedio.gateway.server import QuietServer
 from aivedio.logs import setup_logging
 from aivedio.process.eventloop import run_loop
+from aivedio.process.http_server import QuietServer
 from aivedio.roles import AVAILABLE, serve
 from aivedio.runtime import Runtime, resolve_urls
 from aivedio.sandbox import SandboxConfig, create_app

@@ -27,11 +27,11 @@ from aivedio.errors import ConfigError, DatabaseUnavailable
 from aivedio.gateway import Gateway, stream_token_routes
 from aivedio.gateway.config import GatewayConfig
 from aivedio.gateway.outage import stream_outage_routes
-from aivedio.gateway.server import serve_http
 from aivedio.ingest.role import callbacks_role, inbox_role
 from aivedio.logs import log, setup_logging
 from aivedio.media.role import media_role, playback_routes_for
 from aivedio.polling.role import poller_role
+from aivedio.process.http_server import serve_http
 from aivedio.process.parts import RoleLoop, RoleParts
 from aivedio.process.restart import RestartPolicy, restart_delay
 from aivedio.process.supervisor import supervise
@@ -108,8 +108,8 @@ async def _reconciler(rt: Runtime) -> RoleParts:
     return await _with_adapters(rt, lambda a: reconciler_loops(rt.db, rt.state, a))
 
 
-# The roles this build has. The operator contract names more (see cli.ROLES); they are added here
-# as they are built.
+# The roles this build has. The operator contract names more (see cli.serving.ROLES); they are
+# added here as they are built.
 AVAILABLE: dict[str, RoleFactory] = {
     "api": _api,
     "callbacks": callbacks_role,

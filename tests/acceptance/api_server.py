@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import httpx
 import pytest
 
 from tests.conftest import with_database
+from tests.waiting import eventually_sync
 
 BODY = {"provider": "sandbox", "model": "m1", "prompt": "a cat on a skateboard", "params": {}}
 
@@ -89,16 +89,14 @@ def _tenant(env: dict[str, str], name: str) -> Tenant:
 
 
 def _wait_ready(base: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the server exited:\n{log.read_text()[-4000:]}"
-        try:
-            if httpx.get(base + "/readyz", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"the server never became ready:\n{log.read_text()[-4000:]}")
+    def ready() -> bool:
+        assert proc.poll() is None, "the server exited"
+        return httpx.get(base + "/readyz", timeout=1).status_code == 200
+
+    try:
+        eventually_sync(ready, "/readyz", timeout=60, interval=0.2, ignoring=(httpx.HTTPError,))
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}; its log:\n{log.read_text()[-4000:]}") from None
 
 
 def _seed(server_db: str, base: str, owner: Tenant) -> tuple[str, str]:

@@ -16,6 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.waiting import eventually_sync
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -47,16 +49,11 @@ def aivedio(env: dict[str, str], *args: str) -> dict[str, object]:
 
 
 def wait_ready(url: str, proc: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
+    def ready() -> bool:
         assert proc.poll() is None, f"exited with {proc.returncode}"
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"{url} never became ready")
+        return httpx.get(url, timeout=1).status_code == 200
+
+    eventually_sync(ready, f"{url} ready", timeout=30, interval=0.2, ignoring=(httpx.HTTPError,))
 
 
 @pytest.fixture

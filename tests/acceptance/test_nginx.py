@@ -24,6 +24,7 @@ import pytest
 
 from aivedio.client import Client
 from tests.acceptance.test_cli import aivedio, free_port, wait_ready
+from tests.waiting import eventually, eventually_sync
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "docs" / "deploy" / "nginx" / "aivedio.conf"
@@ -95,14 +96,12 @@ http {{
 
 
 def wait_port(port: int, proc: subprocess.Popen[Any]) -> None:
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
+    def listening() -> bool:
         assert proc.poll() is None, f"exited with {proc.returncode}"
         with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise AssertionError(f"nothing listens on {port}")
+            return s.connect_ex(("127.0.0.1", port)) == 0
+
+    eventually_sync(listening, f"a listener on {port}", timeout=20, interval=0.1)
 
 
 @pytest.fixture
@@ -263,10 +262,7 @@ def test_a_killed_upstream_is_survived_by_reconnecting(stack_factory: Any) -> No
             created = []
             for n in range(3):
                 created.append(await asyncio.to_thread(stack.create_task, n))
-            deadline = time.monotonic() + 30
-            while len(got) < 3:
-                assert time.monotonic() < deadline, f"only {got} arrived"
-                await asyncio.sleep(0.05)
+            await eventually(lambda: len(got) >= 3, "three task.status frames", 30, interval=0.05)
             stack.upstreams[0].send_signal(signal.SIGKILL)
             stack.upstreams[0].wait()
             for n in range(3, wanted):

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 
 from tests.acceptance.test_cli import free_port, wait_ready
 from tests.chaos.outages import PrivateServers, fresh_database, private_servers
+from tests.waiting import eventually_sync
 
 DEADLINE_S = 90.0  # only to fail instead of hanging
 
@@ -32,11 +32,13 @@ def servers() -> Iterator[PrivateServers]:
 
 
 def wait_for(condition: Callable[[], bool], what: str, proc: subprocess.Popen[str]) -> None:
-    deadline = time.monotonic() + DEADLINE_S
-    while not condition():
+    def met() -> bool:
+        if condition():
+            return True
         assert proc.poll() is None, f"the process exited with {proc.returncode} waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
+        return False
+
+    eventually_sync(met, what, timeout=DEADLINE_S, interval=0.2)
 
 
 def get(url: str, **kwargs: object) -> httpx.Response | None:

@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ import httpx
 import pytest
 
 from tests.conftest import with_database
+from tests.waiting import eventually_sync
 
 if TYPE_CHECKING:
     from playwright.sync_api import Browser, Page
@@ -156,16 +156,14 @@ class Proc:
 
 
 def wait_ok(url: str, proc: Proc, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.alive(), f"the process exited:\n{proc.tail()}"
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"{url} never answered 200:\n{proc.tail()}")
+    def ok() -> bool:
+        assert proc.alive(), "the process exited"
+        return httpx.get(url, timeout=1).status_code == 200
+
+    try:
+        eventually_sync(ok, f"200 from {url}", timeout_s, interval=0.2, ignoring=(httpx.HTTPError,))
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}:\n{proc.tail()}") from None
 
 
 @dataclass
@@ -210,16 +208,20 @@ def stacks() -> Iterator[list[Stack]]:
 
 
 def first_json_line(proc: Proc, timeout_s: float = 60) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.alive(), f"the process exited:\n{proc.tail()}"
+    def found() -> dict[str, Any] | None:
+        assert proc.alive(), "the process exited"
         for line in proc.out.read_text(errors="replace").splitlines():
             if line.startswith("{"):
                 with_keys: dict[str, Any] = json.loads(line)
                 if "project_id" in with_keys:
                     return with_keys
-        time.sleep(0.1)
-    raise AssertionError(f"no JSON line:\n{proc.tail()}")
+        return None
+
+    try:
+        line: dict[str, Any] = eventually_sync(found, "a JSON line", timeout_s, interval=0.1)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}:\n{proc.tail()}") from None
+    return line
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """The links of the transport contract: SSE and WebSocket over real sockets, and the fake.
 
 The real transports are served by the real HTTP front door (``serve_http``: uvicorn and the
-sniffer of ``gateway/server.py``, which picks the transport by path and hands the socket over).
+sniffer of ``process/http_server.py``, which picks the transport by path and hands the socket over).
 In place of the gateway stands an :class:`Acceptor`: it answers a stream request as the gateway
 does once the client is admitted (``begin``, or ``upgrade`` with the request's key) and gives the
 transport to the test. The peers are real clients: an SSE reader on a plain socket, and the
@@ -22,12 +22,13 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
-from aivedio.gateway import GatewayConfig, serve_http
+from aivedio.gateway import GatewayConfig
 from aivedio.gateway.closecodes import CloseReason
 from aivedio.gateway.frames import RESPONSE_HEAD
 from aivedio.gateway.protocol import parse_head
 from aivedio.gateway.transport import SseTransport
 from aivedio.gateway.websocket import WsTransport
+from aivedio.process.http_server import serve_http
 from tests.contract.transport_contract import Link, Seen, SessionRecorder, parse_sse
 from tests.fakes.transport import RecordingTransport
 from tests.waiting import eventually

@@ -38,9 +38,9 @@ from starlette.middleware import Middleware
 from aivedio.api.http import TraceMiddleware
 from aivedio.config import DatabaseConfig
 from aivedio.db.pool import Database
-from aivedio.gateway.server import serve_http
 from aivedio.ingest.gateway import CallbackConfig, callback_routes
 from aivedio.ingest.group_commit import GroupCommitConfig, InboxWriter
+from aivedio.process.http_server import serve_http
 from aivedio.providers.jwks import FalEd25519Verifier, JwksCache
 from aivedio.providers.standard_webhooks import StandardWebhooksJson
 from aivedio.providers.verify import (

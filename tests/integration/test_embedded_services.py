@@ -21,6 +21,10 @@ import redis.asyncio
 
 from aivedio.config import ServicesConfig
 from aivedio.services import embedded
+from aivedio.services.daemon import ServicesError, spawn_detached
+from aivedio.services.nats_server import NATS
+from aivedio.services.postgres_server import POSTGRES, pgbench_path
+from aivedio.services.valkey_server import VALKEY
 
 
 def _config(data_dir: Path, **urls: str | None) -> ServicesConfig:
@@ -150,13 +154,12 @@ def test_a_server_that_dies_at_startup_is_named_with_its_log(
     def launch(folder: Path, port: int) -> int:
         folder.mkdir(parents=True, exist_ok=True)
         argv = ["/bin/sh", "-c", "echo 'cannot start: boom' >&2; exit 3"]
-        return embedded._spawn_detached(argv, folder / "nats.log", folder, None)
+        return spawn_detached(argv, folder / "nats.log", folder, None)
 
-    broken = replace(embedded._NATS, launch=launch)
-    monkeypatch.setattr(embedded, "_NATS", broken)
-    monkeypatch.setattr(embedded, "_KINDS", (embedded._POSTGRES, embedded._VALKEY, broken))
+    broken = replace(NATS, launch=launch)
+    monkeypatch.setattr(embedded, "KINDS", (POSTGRES, VALKEY, broken))
     cfg = _config(tmp_path / "broken", database_url="postgresql://x@h/d", redis_url="redis://h")
-    with pytest.raises(embedded.ServicesError, match=r"NATS exited during startup") as caught:
+    with pytest.raises(ServicesError, match=r"NATS exited during startup") as caught:
         embedded.up(cfg)
     assert str(tmp_path / "broken" / "nats" / "nats.log") in str(caught.value)
     assert "cannot start: boom" in str(caught.value)
@@ -169,7 +172,7 @@ def test_down_without_up_is_a_no_op(tmp_path: Path) -> None:
 
 
 def test_pgbench_is_available() -> None:
-    path = embedded.pgbench_path()
+    path = pgbench_path()
     assert path is not None
     assert os.access(path, os.X_OK)
 

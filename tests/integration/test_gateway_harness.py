@@ -19,7 +19,8 @@ from aivedio.client import Client, Frame
 from aivedio.config import ApiConfig
 from aivedio.db.pool import Database
 from aivedio.domain.observation import ProviderObservation, ProviderStatus, Source
-from aivedio.gateway import Gateway, GatewayConfig, serve_http, stream_token_routes
+from aivedio.gateway import Gateway, GatewayConfig, stream_token_routes
+from aivedio.process.http_server import serve_http
 from aivedio.state.service import StateService
 from aivedio.state.tasks import TaskStore
 from tests.integration.helpers import Project, make_project, make_task, store

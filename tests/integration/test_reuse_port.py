@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from aivedio.gateway.server import reuse_port_socket, serve_http
+from aivedio.process.http_server import reuse_port_socket, serve_http
 
 
 def _named_app(name: str) -> Any:

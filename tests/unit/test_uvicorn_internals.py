@@ -1,4 +1,4 @@
-"""``gateway/uvicorn_internals.py``: the probe passes on the installed uvicorn and names, with the
+"""``process/uvicorn_internals.py``: the probe passes on the installed uvicorn and names, with the
 uvicorn version, any internal that is missing; ``serve_http`` refuses to start without them."""
 
 from __future__ import annotations
@@ -15,8 +15,9 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from aivedio.gateway import serve_http, uvicorn_internals
-from aivedio.gateway.uvicorn_internals import UvicornInternalsError
+from aivedio.process import uvicorn_internals
+from aivedio.process.http_server import serve_http
+from aivedio.process.uvicorn_internals import UvicornInternalsError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,7 +107,7 @@ async def test_detach_cancels_the_keep_alive_timer_and_forgets_the_connection() 
 
 def test_no_other_module_imports_uvicorn_internals() -> None:
     """Only the top-level ``uvicorn`` package (Config, Server) is public; anything below it is
-    reached through ``gateway/uvicorn_internals.py``."""
+    reached through ``process/uvicorn_internals.py``."""
     offenders = []
     for path in sorted((ROOT / "src").rglob("*.py")):
         if path.name == "uvicorn_internals.py":

@@ -25,8 +25,9 @@ from starlette.routing import Route
 from aivedio.bench.sse_load import raise_open_files
 from aivedio.config import DatabaseConfig
 from aivedio.db.pool import Database
-from aivedio.gateway import Gateway, GatewayConfig, serve_http
+from aivedio.gateway import Gateway, GatewayConfig
 from aivedio.logs import setup_logging
+from aivedio.process.http_server import serve_http
 
 BIG = 10_000_000  # per-user/tenant connection limits and connect rate: not what is measured
 

@@ -14,7 +14,7 @@ from urllib.parse import unquote, urlsplit
 
 from aivedio.bench.common import BenchUsageError
 from aivedio.bench.ingest_load import _request
-from aivedio.services.embedded import pgbench_path
+from aivedio.services.postgres_server import pgbench_path
 
 # --- pgbench: the ceiling ------------------------------------------------------------------------
 

@@ -21,9 +21,9 @@ from aivedio.bench.ingest_load import _spawn
 from aivedio.bench.ingest_options import PROVIDER, SECRET, IngestOptions
 from aivedio.config import DatabaseConfig
 from aivedio.db.pool import Database
-from aivedio.gateway.server import serve_http
 from aivedio.ingest.gateway import CallbackConfig, callback_routes
 from aivedio.ingest.group_commit import GroupCommitConfig, InboxWriter
+from aivedio.process.http_server import serve_http
 from aivedio.providers.standard_webhooks import StandardWebhooksJson
 from aivedio.providers.verify import StandardWebhooksVerifier
 

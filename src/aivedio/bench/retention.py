@@ -137,7 +137,7 @@ async def _replay_phase(
 ) -> tuple[list[float], list[float], list[float], list[float]]:
     """Replays at the head and deep, decoded and the query alone, printed; then the EXPLAINs."""
     streams = await _streams(db)
-    # As the gateway's server does at start (gateway/server.py): what exists now (the fill's
+    # As the gateway's server does at start (process/http_server.py): what exists now (the fill's
     # objects here, the app's there) is never scanned again by the cyclic GC, whose full
     # collections were the replays' p99 (60 ms against 14 ms with it, bench at 200,000).
     gc.collect()

@@ -12,7 +12,7 @@ import asyncpg
 
 from aivedio.bench.transitions_options import Options, PgbenchFigures
 from aivedio.bench.transitions_script import _blocks_statement, pgbench_script, pgbench_variables
-from aivedio.services.embedded import pgbench_path
+from aivedio.services.postgres_server import pgbench_path
 
 # -- the ceiling: pgbench, same statements --------------------------------------------------------
 

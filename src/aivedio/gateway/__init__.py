@@ -9,13 +9,11 @@ from aivedio.gateway.auth import StreamTokens, stream_token_routes
 from aivedio.gateway.closecodes import CloseReason
 from aivedio.gateway.config import GatewayConfig
 from aivedio.gateway.gateway import Gateway
-from aivedio.gateway.server import serve_http
 
 __all__ = [
     "CloseReason",
     "Gateway",
     "GatewayConfig",
     "StreamTokens",
-    "serve_http",
     "stream_token_routes",
 ]

@@ -2,7 +2,7 @@
 
 Only ``GET /v1/projects/{project_id}/events`` (SSE) and ``GET /v1/projects/{project_id}/ws``
 (WebSocket upgrade) are read here; every other request is handed to the ASGI server untouched
-(see ``server.py``).
+(see ``process/http_server.py``).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def request_line(head: bytes) -> tuple[str, str] | None:
 
 
 def is_events_target(target: str) -> bool:
-    """An SSE or WebSocket stream path (the lean path of ``server.py``)."""
+    """An SSE or WebSocket stream path (the lean path of ``process/http_server.py``)."""
     return STREAM_PATH.match(target.partition("?")[0]) is not None
 
 

@@ -1,8 +1,9 @@
 """``WsTransport``: the WebSocket endpoint as a second ``Transport`` on the lean path.
 
-The sniffer (``server.py``) hands the socket over after the request head, exactly as for SSE; the
-gateway checks Origin and credentials, then ``upgrade`` writes the 101 answer. From then on this
-asyncio protocol speaks RFC 6455 itself (``wsframes.py``): text frames out, client commands in.
+The sniffer (``process/http_server.py``) hands the socket over after the request head, exactly as
+for SSE; the gateway checks Origin and credentials, then ``upgrade`` writes the 101 answer. From
+then on this asyncio protocol speaks RFC 6455 itself (``wsframes.py``): text frames out, client
+commands in.
 
 Why not ``wsproto``: measured with tracemalloc on this machine (wsproto 1.3.2, 2,000 connections),
 a ``wsproto.WSConnection`` holds about 4.6 KiB per connection after the handshake (an h11

@@ -6,9 +6,9 @@ transport then reads the body within the provider's limit and ``read_timeout_s``
 reported with :meth:`~CallbackEndpoint.abort`); :meth:`~CallbackEndpoint.finish` verifies, parses
 and stores it (rows 7 to 9). Each returns an :class:`Answer` (status, headers, body). Two
 transports use it: the lean HTTP/1.1 protocol of :mod:`aivedio.ingest.http` (the production path,
-on the shared port through the sniffer of :mod:`aivedio.gateway.server`), and the endpoint itself
-as a plain ASGI callable behind one Starlette ``Route`` (reading the body chunk by chunk). Each
-check has its own status and stores nothing; the first that fails answers:
+on the shared port through the sniffer of :mod:`aivedio.process.http_server`), and the endpoint
+itself as a plain ASGI callable behind one Starlette ``Route`` (reading the body chunk by chunk).
+Each check has its own status and stores nothing; the first that fails answers:
 
 ====  ===========================  ======================================================
  #    status (``error.code``)      when
@@ -465,8 +465,8 @@ def callback_routes(
     """The gateway's routes for ``create_app(..., extra_routes=...)``. ``inbox`` must be started
     (``inbox.start()``) before the first request and closed (``await inbox.close()``) at shutdown.
 
-    Served by :func:`aivedio.gateway.server.serve_http`, the route's endpoint is found in the app
-    and ``POST`` requests to it take the lean HTTP/1.1 path (:mod:`aivedio.ingest.http`); the
+    Served by :func:`aivedio.process.http_server.serve_http`, the route's endpoint is found in the
+    app and ``POST`` requests to it take the lean HTTP/1.1 path (:mod:`aivedio.ingest.http`); the
     route itself answers any other transport (ASGI test clients, other servers).
     """
     endpoint = callback_endpoint(config, providers, inbox, clock=clock)

@@ -1,7 +1,7 @@
 """The lean HTTP/1.1 path for ``POST /v1/callbacks/{provider}``: no ASGI, no router, no middleware.
 
 :class:`CallbackServer` serves the same :class:`~aivedio.ingest.gateway.CallbackEndpoint` as the
-ASGI route, on the shared port: the sniffer of :mod:`aivedio.gateway.server` reads the request
+ASGI route, on the shared port: the sniffer of :mod:`aivedio.process.http_server` reads the request
 line of a connection and hands a ``POST /v1/callbacks/...`` to a :class:`CallbackProtocol`, which
 parses with ``httptools`` (llhttp) and calls the endpoint's transport-independent steps
 (``begin`` / ``finish``). What it does as the transport:

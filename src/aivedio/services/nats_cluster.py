@@ -15,7 +15,8 @@ import socket
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from aivedio.services.embedded import HOST, nats_binary, nats_ready
+from aivedio.services.daemon import HOST
+from aivedio.services.nats_server import nats_binary, nats_ready
 
 __all__ = ["NatsNode", "cluster_url", "node_argv", "plan_nodes"]
 

@@ -10,7 +10,7 @@ with the bytes already read, to uvicorn's own HTTP protocol (h11 or httptools) b
 config and server state, exactly as uvicorn's ``AutoZttpProtocol`` hands over after sniffing. So
 uvicorn keeps everything it does (signals aside, which the process owns): Date headers, keep-alive,
 graceful shutdown of ASGI connections. Every uvicorn internal this relies on is reached through
-:mod:`aivedio.gateway.uvicorn_internals`, which ``serve_http`` probes before uvicorn starts.
+:mod:`aivedio.process.uvicorn_internals`, which ``serve_http`` probes before uvicorn starts.
 """
 
 from __future__ import annotations
@@ -24,14 +24,15 @@ from typing import Any, Literal, cast
 
 import uvicorn
 
-from aivedio.gateway import frames, uvicorn_internals
+from aivedio.gateway import frames
 from aivedio.gateway.gateway import Gateway
 from aivedio.gateway.protocol import PREFIX, is_events_target, is_ws_target, request_line
 from aivedio.gateway.transport import SseTransport
-from aivedio.gateway.uvicorn_internals import AutoHTTPProtocol, ServerState
 from aivedio.gateway.websocket import WsTransport
 from aivedio.ingest.gateway import find_callback_endpoint
 from aivedio.ingest.http import CallbackServer
+from aivedio.process import uvicorn_internals
+from aivedio.process.uvicorn_internals import AutoHTTPProtocol, ServerState
 
 DEFAULT_HEAD_TIMEOUT_S = 10.0
 DEFAULT_MAX_HEAD_BYTES = 8192

@@ -1,6 +1,6 @@
 """Every use of uvicorn internals, in one place, with a probe that they exist.
 
-The sniffer of ``server.py`` sits in front of uvicorn's own HTTP protocol and, between two
+The sniffer of ``http_server.py`` sits in front of uvicorn's own HTTP protocol and, between two
 requests of a keep-alive connection, may take the socket away from it (for an SSE or WebSocket
 stream, or the lean callback path). uvicorn documents none of what that needs:
 
@@ -11,7 +11,7 @@ stream, or the lean callback path). uvicorn documents none of what that needs:
 * on the protocol: ``cycle`` (``response_complete``, ``more_body``) to see that it is between
   two requests, ``timeout_keep_alive_task`` to cancel before detaching it, and ``conn`` (the
   h11 implementation's ``h11.Connection``, both sides ``h11.IDLE``);
-* ``uvicorn.Server.capture_signals``, the context manager ``server.QuietServer`` overrides (the
+* ``uvicorn.Server.capture_signals``, the context manager ``http_server.QuietServer`` overrides (the
   process, not uvicorn, owns signals).
 
 :func:`probe` (called by ``serve_http`` before uvicorn starts) checks every one of them on the
