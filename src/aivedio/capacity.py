@@ -84,27 +84,10 @@ def plan(
     fanout: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The plan for ``opts``' workload from the measured figures (pure)."""
-    in_flight = opts.tasks_per_s * opts.duration_s
-    mean = opts.tasks_per_s * opts.events_per_task
-    peak = opts.events_per_s or mean * opts.peak_factor
-    heartbeats = opts.sse_connections / opts.heartbeat_s
-    frames = peak * opts.fanout_per_event + heartbeats
-    workload = {
-        "tasks_per_s": opts.tasks_per_s,
-        "duration_s": opts.duration_s,
-        "in_flight": in_flight,
-        "events_per_s_mean": mean,
-        "events_per_s_peak": peak,
-        "poll_qps_if_every_task_polled": in_flight / opts.poll_interval_s,
-        "sse_connections": opts.sse_connections,
-        "heartbeats_per_s": heartbeats,
-        "frames_per_s": frames,
-        "egress_bytes_per_s": peak * opts.fanout_per_event * opts.event_bytes
-        + heartbeats * HEARTBEAT_BYTES,
-    }
-    measured_rate = e2e.get("rate_per_s")
+    workload = _workload(opts)
+    peak: float = workload["events_per_s_peak"]
     source = (
-        f"bench e2e at {measured_rate}/s ({e2e.get('procs')} processes "
+        f"bench e2e at {e2e.get('rate_per_s')}/s ({e2e.get('procs')} processes "
         f"{e2e.get('layout')}, p99 {e2e.get('p99_ms')} ms, lost {e2e.get('lost')})"
     )
     cpu: Mapping[str, float] = e2e.get("cpu_us_per_event_by_process") or {}
@@ -116,26 +99,8 @@ def plan(
             "the measured step was not keeping up (p99 > 100 ms or events lost): costs per "
             "event measured under saturation are lower than below it (bigger batches)"
         )
-    servers: dict[str, Any] = {}
-    for name in ("aivedio", "postgres", "nats", "redis"):
-        if name in cpu:
-            servers[name] = {
-                "cpu_us_per_event": cpu[name],
-                "cores": _cores(cpu[name], peak, opts.utilization),
-                "from": f"cpu_us_per_event_by_process.{name} of {source}",
-            }
-    roles: dict[str, Any] = {}
-    for key, us in cpu.items():
-        if key.startswith("aivedio-"):
-            role = key.split("-", 2)[-1]
-            entry = roles.setdefault(role, {"cpu_us_per_event": 0.0})
-            entry["cpu_us_per_event"] += us
-    for role, entry in roles.items():
-        cores = _cores(entry["cpu_us_per_event"], peak, opts.utilization)
-        entry["cores"] = cores
-        # One Python process runs on one core: at most `utilization` of it.
-        entry["processes"] = max(1, math.ceil(cores))
-        entry["from"] = f"cpu_us_per_event_by_process['aivedio-*-{role}'] of {source}"
+    servers = _servers(opts, cpu, peak, source)
+    roles = _roles(opts, cpu, peak, source)
     xacts = e2e.get("pg_write_xacts_per_event")
     postgres_tx = {
         "per_s": xacts * peak if xacts is not None else None,
@@ -144,13 +109,7 @@ def plan(
         if xacts is not None
         else "unknown: the bench e2e JSON predates pg_write_xacts_per_event",
     }
-    groups = len(GROUPS)
-    nats = {
-        "messages_per_s": peak * (1 + groups),
-        "acks_per_s": peak * (1 + groups),
-        "from": f"topology: one publish per event, delivered to {groups} groups {list(GROUPS)}",
-    }
-    gateway = _gateway(opts, frames, connections, fanout)
+    gateway = _gateway(opts, workload["frames_per_s"], connections, fanout)
     redis = {
         "publishes_per_s": peak,
         "deliveries_per_s_broadcast": peak * gateway["nodes"] if gateway["nodes"] else None,
@@ -170,13 +129,75 @@ def plan(
         "servers": servers,
         "roles": roles,
         "postgres_transactions": postgres_tx,
-        "nats": nats,
+        "nats": _nats(peak),
         "redis": redis,
         "gateway": gateway,
         "warnings": warnings,
         "measured": {"e2e": source, "saturation_per_s": saturation},
         "options": asdict(opts),
     }
+
+
+def _nats(peak: float) -> dict[str, Any]:
+    """JetStream messages and acks per second: one publish per event, one delivery per group."""
+    groups = len(GROUPS)
+    return {
+        "messages_per_s": peak * (1 + groups),
+        "acks_per_s": peak * (1 + groups),
+        "from": f"topology: one publish per event, delivered to {groups} groups {list(GROUPS)}",
+    }
+
+
+def _workload(opts: Options) -> dict[str, Any]:
+    """The workload ``opts`` describe, in tasks, events, frames and bytes per second."""
+    in_flight = opts.tasks_per_s * opts.duration_s
+    mean = opts.tasks_per_s * opts.events_per_task
+    peak = opts.events_per_s or mean * opts.peak_factor
+    heartbeats = opts.sse_connections / opts.heartbeat_s
+    frames = peak * opts.fanout_per_event + heartbeats
+    return {
+        "tasks_per_s": opts.tasks_per_s,
+        "duration_s": opts.duration_s,
+        "in_flight": in_flight,
+        "events_per_s_mean": mean,
+        "events_per_s_peak": peak,
+        "poll_qps_if_every_task_polled": in_flight / opts.poll_interval_s,
+        "sse_connections": opts.sse_connections,
+        "heartbeats_per_s": heartbeats,
+        "frames_per_s": frames,
+        "egress_bytes_per_s": peak * opts.fanout_per_event * opts.event_bytes
+        + heartbeats * HEARTBEAT_BYTES,
+    }
+
+
+def _servers(opts: Options, cpu: Mapping[str, float], peak: float, source: str) -> dict[str, Any]:
+    """Cores per server process (aivedio as a whole, postgres, nats, redis)."""
+    servers: dict[str, Any] = {}
+    for name in ("aivedio", "postgres", "nats", "redis"):
+        if name in cpu:
+            servers[name] = {
+                "cpu_us_per_event": cpu[name],
+                "cores": _cores(cpu[name], peak, opts.utilization),
+                "from": f"cpu_us_per_event_by_process.{name} of {source}",
+            }
+    return servers
+
+
+def _roles(opts: Options, cpu: Mapping[str, float], peak: float, source: str) -> dict[str, Any]:
+    """Cores and processes per aivedio role (``aivedio-*-<role>`` figures summed)."""
+    roles: dict[str, Any] = {}
+    for key, us in cpu.items():
+        if key.startswith("aivedio-"):
+            role = key.split("-", 2)[-1]
+            entry = roles.setdefault(role, {"cpu_us_per_event": 0.0})
+            entry["cpu_us_per_event"] += us
+    for role, entry in roles.items():
+        cores = _cores(entry["cpu_us_per_event"], peak, opts.utilization)
+        entry["cores"] = cores
+        # One Python process runs on one core: at most `utilization` of it.
+        entry["processes"] = max(1, math.ceil(cores))
+        entry["from"] = f"cpu_us_per_event_by_process['aivedio-*-{role}'] of {source}"
+    return roles
 
 
 def _gateway(

@@ -225,32 +225,47 @@ def render(data: dict[str, Any]) -> Group:
         error = data.get("database_error") or "unreachable"
         parts.append(Text(f"PostgreSQL: {error}", style="bold red"))
     else:
-        backlog = Table(title="backlogs (PostgreSQL)", title_justify="left")
-        backlog.add_column("queue")
-        backlog.add_column("waiting", justify="right")
-        backlog.add_column("dead", justify="right")
-        backlog.add_row(
-            "callback inbox", str(database["inbox_pending"]), str(database["inbox_dead"])
+        parts.append(_database_tables(database))
+    parts.append(_metrics_tables(data))
+    if data["roles_down"]:
+        parts.append(Text("roles down: " + ", ".join(data["roles_down"]), style="bold red"))
+    if data["metrics_unreachable"]:
+        parts.append(
+            Text("metrics unreachable: " + ", ".join(data["metrics_unreachable"]), style="yellow")
         )
-        backlog.add_row(
-            f"outbox (oldest {database['outbox_oldest_s']:.1f} s)",
-            str(database["outbox_pending"]),
-            str(database["outbox_dead"]),
-        )
-        backlog.add_row("submit intents", str(database["submit_pending"]), "")
-        backlog.add_row("cancel intents", str(database["cancel_pending"]), "")
-        backlog.add_row("media operations", str(database["media_pending"]), "")
-        tasks = Table(title="in-flight tasks", title_justify="left")
-        tasks.add_column("status")
-        tasks.add_column("tasks", justify="right")
-        for status in IN_FLIGHT:
-            tasks.add_row(status, str(database["tasks_in_flight"].get(status, 0)))
-        recon = Table(title="open reconciliation items", title_justify="left")
-        recon.add_column("kind")
-        recon.add_column("items", justify="right")
-        for kind, n in sorted(database["reconciliation_open"].items()) or [("(none)", 0)]:
-            recon.add_row(kind, str(n))
-        parts.append(Columns([backlog, tasks, recon]))
+    return Group(*parts)
+
+
+def _database_tables(database: dict[str, Any]) -> Columns:
+    """Backlogs, in-flight tasks and open reconciliation items, from PostgreSQL."""
+    backlog = Table(title="backlogs (PostgreSQL)", title_justify="left")
+    backlog.add_column("queue")
+    backlog.add_column("waiting", justify="right")
+    backlog.add_column("dead", justify="right")
+    backlog.add_row("callback inbox", str(database["inbox_pending"]), str(database["inbox_dead"]))
+    backlog.add_row(
+        f"outbox (oldest {database['outbox_oldest_s']:.1f} s)",
+        str(database["outbox_pending"]),
+        str(database["outbox_dead"]),
+    )
+    backlog.add_row("submit intents", str(database["submit_pending"]), "")
+    backlog.add_row("cancel intents", str(database["cancel_pending"]), "")
+    backlog.add_row("media operations", str(database["media_pending"]), "")
+    tasks = Table(title="in-flight tasks", title_justify="left")
+    tasks.add_column("status")
+    tasks.add_column("tasks", justify="right")
+    for status in IN_FLIGHT:
+        tasks.add_row(status, str(database["tasks_in_flight"].get(status, 0)))
+    recon = Table(title="open reconciliation items", title_justify="left")
+    recon.add_column("kind")
+    recon.add_column("items", justify="right")
+    for kind, n in sorted(database["reconciliation_open"].items()) or [("(none)", 0)]:
+        recon.add_row(kind, str(n))
+    return Columns([backlog, tasks, recon])
+
+
+def _metrics_tables(data: dict[str, Any]) -> Columns:
+    """Connections, lags and counters, from the processes' ``/metrics``."""
     conns = Table(title="connections", title_justify="left")
     conns.add_column("transport")
     conns.add_column("open", justify="right")
@@ -269,14 +284,7 @@ def render(data: dict[str, Any]) -> Group:
     counters.add_column("total", justify="right")
     for label, value in data["counters"].items():
         counters.add_row(label, f"{value:.0f}")
-    parts.append(Columns([conns, lags, counters]))
-    if data["roles_down"]:
-        parts.append(Text("roles down: " + ", ".join(data["roles_down"]), style="bold red"))
-    if data["metrics_unreachable"]:
-        parts.append(
-            Text("metrics unreachable: " + ", ".join(data["metrics_unreachable"]), style="yellow")
-        )
-    return Group(*parts)
+    return Columns([conns, lags, counters])
 
 
 _DB_ERRORS = (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError)

@@ -5,8 +5,8 @@ included."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Literal
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
@@ -44,6 +44,21 @@ def create_app(
 ) -> Starlette:
     """The API app. ``extra_routes`` lets other roles (callbacks, gateway) share the port;
     ``health``, the process's role loops, makes ``/readyz`` name the roles that are down."""
+    routes: list[BaseRoute] = [
+        *_probe_routes(db, config, health),
+        *docs_routes(),
+        *TaskRoutes(db, tasks, config).routes(),
+        *extra_routes,
+    ]
+    return Starlette(
+        routes=routes,
+        middleware=[Middleware(TraceMiddleware)],
+        exception_handlers=_exception_handlers(config),
+    )
+
+
+def _probe_routes(db: Database, config: ApiConfig, health: RoleHealth | None) -> list[BaseRoute]:
+    """``/healthz``, ``/readyz`` and ``/metrics``."""
 
     async def healthz(request: Request) -> Response:
         return respond(Health(status="ok"))
@@ -72,9 +87,18 @@ def create_app(
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    async def on_api_error(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, ApiError)
-        return error_response(exc)
+    return [
+        Route("/healthz", healthz),
+        Route("/readyz", readyz),
+        Route("/metrics", metrics),
+    ]
+
+
+_Handler = Callable[[Request, Exception], Awaitable[Response]]
+
+
+def _exception_handlers(config: ApiConfig) -> dict[Any, _Handler]:
+    """Every error in the contract's shape, Starlette's own 404 and 405 included."""
 
     async def on_unavailable(request: Request, exc: Exception) -> Response:
         log(logger, logging.WARNING, "database unavailable", error=str(exc))
@@ -87,53 +111,51 @@ def create_app(
             )
         )
 
-    async def on_not_found(request: Request, exc: Exception) -> Response:
-        return error_response(ApiError(404, "not_found", f"{exc} not found"))
+    return {
+        HTTPException: _on_http,
+        500: _on_internal,
+        ApiError: _on_api_error,
+        DatabaseUnavailable: on_unavailable,
+        NotFound: _on_not_found,
+        Conflict: _on_conflict,
+        IdempotencyMismatch: _on_idempotency,
+    }
 
-    async def on_conflict(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, Conflict)
-        return error_response(ApiError(409, exc.code, exc.message))
 
-    async def on_http(request: Request, exc: Exception) -> Response:
-        """Starlette's own answers (no such route, method not allowed) in the error shape."""
-        assert isinstance(exc, HTTPException)
-        code = _HTTP_CODES.get(exc.status_code, "http_error")
-        headers = dict(exc.headers or {})
-        return error_response(ApiError(exc.status_code, code, exc.detail, headers=headers))
+async def _on_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return error_response(exc)
 
-    async def on_internal(request: Request, exc: Exception) -> Response:
-        return error_response(ApiError(500, "internal", "an internal error; retry later"))
 
-    async def on_idempotency(request: Request, exc: Exception) -> Response:
-        return error_response(
-            ApiError(
-                422,
-                "idempotency_key_reused",
-                "this Idempotency-Key was used with a different request body",
-                fields=[{"field": "Idempotency-Key", "message": "reused with another body"}],
-            )
+async def _on_not_found(request: Request, exc: Exception) -> Response:
+    return error_response(ApiError(404, "not_found", f"{exc} not found"))
+
+
+async def _on_conflict(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, Conflict)
+    return error_response(ApiError(409, exc.code, exc.message))
+
+
+async def _on_http(request: Request, exc: Exception) -> Response:
+    """Starlette's own answers (no such route, method not allowed) in the error shape."""
+    assert isinstance(exc, HTTPException)
+    code = _HTTP_CODES.get(exc.status_code, "http_error")
+    headers = dict(exc.headers or {})
+    return error_response(ApiError(exc.status_code, code, exc.detail, headers=headers))
+
+
+async def _on_internal(request: Request, exc: Exception) -> Response:
+    return error_response(ApiError(500, "internal", "an internal error; retry later"))
+
+
+async def _on_idempotency(request: Request, exc: Exception) -> Response:
+    return error_response(
+        ApiError(
+            422,
+            "idempotency_key_reused",
+            "this Idempotency-Key was used with a different request body",
+            fields=[{"field": "Idempotency-Key", "message": "reused with another body"}],
         )
-
-    routes: list[BaseRoute] = [
-        Route("/healthz", healthz),
-        Route("/readyz", readyz),
-        Route("/metrics", metrics),
-        *docs_routes(),
-        *TaskRoutes(db, tasks, config).routes(),
-        *extra_routes,
-    ]
-    return Starlette(
-        routes=routes,
-        middleware=[Middleware(TraceMiddleware)],
-        exception_handlers={
-            HTTPException: on_http,
-            500: on_internal,
-            ApiError: on_api_error,
-            DatabaseUnavailable: on_unavailable,
-            NotFound: on_not_found,
-            Conflict: on_conflict,
-            IdempotencyMismatch: on_idempotency,
-        },
     )
 
 

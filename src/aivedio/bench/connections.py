@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aivedio.bench.common import BenchUsageError, build_options, print_json_line, rounded
-from aivedio.bench.sse_load import FDS_PER_PROCESS, Report, fleet, gateway_under_test
+from aivedio.bench.sse_load import FDS_PER_PROCESS, Ready, Report, fleet, gateway_under_test
 from aivedio.config import Settings
 
 __all__ = ["run"]
@@ -73,31 +73,53 @@ async def _run(settings: Settings, opts: Options) -> int:
         gateway = target.gateway
         print(f"  gateway: pid {target.gateway.pid}, port {target.gateway.port}", flush=True)
         await asyncio.sleep(1.0)  # the pool, the subscription and the wheel are up
-        rss_before = gateway.rss_kib()
+        m = _Measured(rss_before=gateway.rss_kib())
         cpu_before = gateway.cpu_s()
         async with fleet(target, opts.connections, opts.procs, record_events=False) as clients:
             ready = await clients.connect()
-            cpu_connect = gateway.cpu_s() - cpu_before
+            m.cpu_connect = gateway.cpu_s() - cpu_before
             await asyncio.sleep(opts.settle_s)
-            rss_after = gateway.rss_kib()
-            open_files = gateway.open_files()
+            m.rss_after = gateway.rss_kib()
+            m.open_files = gateway.open_files()
             print(
                 f"  connected {ready.established} of {opts.connections} in {ready.seconds:.1f} s "
                 f"({ready.failed} failed{_failures(ready.failures)}); gateway CPU for the "
-                f"connects {cpu_connect:.2f} s; open files {open_files}",
+                f"connects {m.cpu_connect:.2f} s; open files {m.open_files}",
                 flush=True,
             )
-            hold_from = time.time()
+            m.hold_from = time.time()
             cpu_hold = gateway.cpu_s()
             await asyncio.sleep(opts.hold_s)
-            hold_to = time.time()
-            cpu_hold = gateway.cpu_s() - cpu_hold
-            rss_held = gateway.rss_kib()
+            m.hold_to = time.time()
+            m.cpu_hold = gateway.cpu_s() - cpu_hold
+            m.rss_held = gateway.rss_kib()
             report = await clients.stop()
+    figures |= _figures(opts, ready, report, m)
+    print_json_line(figures)
+    return 0 if figures["ok"] else 1
+
+
+@dataclass(slots=True)
+class _Measured:
+    """What one run measured of the gateway process."""
+
+    rss_before: int
+    cpu_connect: float = 0.0
+    rss_after: int = 0
+    open_files: int = 0
+    hold_from: float = 0.0
+    hold_to: float = 0.0
+    cpu_hold: float = 0.0
+    rss_held: int = 0
+
+
+def _figures(opts: Options, ready: Ready, report: Report, m: _Measured) -> dict[str, Any]:
+    """Print the run's figures and return them for the JSON line."""
+    rss_before, rss_after, rss_held, cpu_hold = m.rss_before, m.rss_after, m.rss_held, m.cpu_hold
     established = ready.established
     per_conn = (rss_after - rss_before) / established if established else math.nan
     per_conn_held = (rss_held - rss_before) / established if established else math.nan
-    beats = _heartbeats(report, hold_from, hold_to, opts)
+    beats = _heartbeats(report, m.hold_from, m.hold_to, opts)
     print(
         f"  gateway RSS: {rss_before / 1024:.1f} MiB before, {rss_after / 1024:.1f} MiB with "
         f"{established} connections, {rss_held / 1024:.1f} MiB after the hold",
@@ -117,8 +139,7 @@ async def _run(settings: Settings, opts: Options) -> int:
         f"streams closed by the server {report.lost}",
         flush=True,
     )
-    ok = established == opts.connections and report.lost == 0
-    figures |= {
+    return {
         "connections": established,
         "failed": ready.failed,
         "procs": opts.procs,
@@ -134,14 +155,12 @@ async def _run(settings: Settings, opts: Options) -> int:
         "pings_per_conn_min": beats["min_pings"],
         "pings_per_conn_max": beats["max_pings"],
         "connect_s": rounded(ready.seconds, 2),
-        "gateway_cpu_connect_s": rounded(cpu_connect, 2),
+        "gateway_cpu_connect_s": rounded(m.cpu_connect, 2),
         "gateway_cpu_hold_pct": rounded(cpu_hold / max(opts.hold_s, 1e-9) * 100, 1),
-        "gateway_open_files": open_files,
+        "gateway_open_files": m.open_files,
         "closed_by_server": report.lost,
-        "ok": ok,
+        "ok": established == opts.connections and report.lost == 0,
     }
-    print_json_line(figures)
-    return 0 if ok else 1
 
 
 def _heartbeats(report: Report, start: float, end: float, opts: Options) -> dict[str, Any]:

@@ -117,25 +117,8 @@ def create_app(database_url: str, redis_url: str, channel: str, secret: str) -> 
 
     async def events(request: Request) -> Response:
         project_id = request.path_params["project_id"]
-
-        async def stream() -> AsyncIterator[bytes]:
-            pubsub = state["subscribers"].pubsub()
-            await pubsub.subscribe(f"{channel}:{project_id}")
-            try:
-                yield b": start 0-0\n\n"
-                while True:
-                    message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=15.0)
-                    if message is None:
-                        yield f": ping {int(time.time())}\n\n".encode()
-                        continue
-                    event_id = orjson.loads(message["data"])["event_id"]
-                    yield (
-                        b"id: 0-%d\nevent: task.status\ndata: %s\n\n" % (event_id, message["data"])
-                    )
-            finally:
-                await pubsub.aclose()
-
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        stream = _stream(state["subscribers"], f"{channel}:{project_id}")
+        return StreamingResponse(stream, media_type="text/event-stream")
 
     routes = [
         Route("/v1/callbacks/{provider}", callback, methods=["POST"]),
@@ -143,6 +126,23 @@ def create_app(database_url: str, redis_url: str, channel: str, secret: str) -> 
         Route("/healthz", lambda request: Response(b"ok"), methods=["GET"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan)
+
+
+async def _stream(subscribers: aioredis.Redis, topic: str) -> AsyncIterator[bytes]:
+    """One SSE stream: every message published on ``topic``, a ping every 15 s of silence."""
+    pubsub = subscribers.pubsub()
+    await pubsub.subscribe(topic)
+    try:
+        yield b": start 0-0\n\n"
+        while True:
+            message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=15.0)
+            if message is None:
+                yield f": ping {int(time.time())}\n\n".encode()
+                continue
+            event_id = orjson.loads(message["data"])["event_id"]
+            yield (b"id: 0-%d\nevent: task.status\ndata: %s\n\n" % (event_id, message["data"]))
+    finally:
+        await pubsub.aclose()  # type: ignore[no-untyped-call]
 
 
 def main() -> None:

@@ -67,26 +67,30 @@ def _table(system: str, scenario: str, fig: ScenarioFigures, limit_ms: float) ->
                 + f"  {s.untimed:>7}  {s.ignored or '-'}"
             )
     for s in fig.steps:
-        notes = []
-        if s.pg_write_xacts is not None:
-            notes.append(
-                f"{s.pg_write_xacts} PostgreSQL write transactions in the step and its drain "
-                f"({s.pg_write_xacts / max(s.sent, 1):.2f} per webhook; the whole server's)"
-            )
-        if s.retried:
-            notes.append(
-                f"{s.retried} webhooks sent again (a non-2xx answer or a closed connection)"
-            )
-        if s.refused:
-            notes.append(f"final answers not 204: {s.refused} (0: none)")
-        if s.lost_where:
-            notes.append(f"lost, how far they got: {s.lost_where}")
+        notes = _notes(s)
         if notes:
             print(f"  at {s.asked:g}/s: " + "; ".join(notes))
     sat = saturation([s.rate_result() for s in fig.steps], limit_ms)
     print(f"  saturation (p99 <= {limit_ms:g} ms, nothing lost): {_f(sat or math.nan, 0)}/s")
     if fig.stopped:
         print(f"  ramp stopped: {fig.stopped}")
+
+
+def _notes(s: StepFigures) -> list[str]:
+    """What else one step's line of the table says: transactions, resends, refusals, losses."""
+    notes = []
+    if s.pg_write_xacts is not None:
+        notes.append(
+            f"{s.pg_write_xacts} PostgreSQL write transactions in the step and its drain "
+            f"({s.pg_write_xacts / max(s.sent, 1):.2f} per webhook; the whole server's)"
+        )
+    if s.retried:
+        notes.append(f"{s.retried} webhooks sent again (a non-2xx answer or a closed connection)")
+    if s.refused:
+        notes.append(f"final answers not 204: {s.refused} (0: none)")
+    if s.lost_where:
+        notes.append(f"lost, how far they got: {s.lost_where}")
+    return notes
 
 
 def print_figures(figures: dict[str, Any]) -> None:

@@ -341,6 +341,21 @@ async def _stages(
             ids,
         )
     }
+    stamps = _stamps(ids, keys, sent, received, applied, frames, hits, figures)
+    figures.stages = {k: summary_ms(v) for k, v in stage_samples(stamps).items()}
+
+
+def _stamps(
+    ids: list[str],
+    keys: list[tuple[str, int]],
+    sent: LoadResult,
+    received: dict[str, float],
+    applied: dict[tuple[str, int], float],
+    frames: Frames,
+    hits: list[int | None],
+    figures: StepFigures,
+) -> dict[str, list[float]]:
+    """Each webhook's time at every stage (NaN where it did not get that far)."""
     nan = math.nan
     stamps: dict[str, list[float]] = {name: [] for name in ("sent", *STAGES)}
     for i, at in enumerate(hits):
@@ -357,4 +372,4 @@ async def _stages(
         stamps["written"].append(frames.written[at])
         stamps["read"].append(frames.read[at])
         figures.untimed += math.isnan(frames.written[at])
-    figures.stages = {k: summary_ms(v) for k, v in stage_samples(stamps).items()}
+    return stamps

@@ -284,33 +284,9 @@ def _summarize(
     best = 0.0
     table = []
     for r in rounds:
-        frames = sum(len(report.events.get(s, ())) for s in r.seqs)
-        last = max((max(report.events[s]) for s in r.seqs if report.events.get(s)), default=0.0)
-        first = published[r.seqs[0]] if r.seqs else 0.0
-        span = last - first if last > first else math.nan
-        fps = frames / span if span > 0 else 0.0
+        fps, row = _round(r, report, published, clients)
         best = max(best, fps)
-        rl = _latencies(report, published, r.seqs)
-        cpu_pct = r.gateway_cpu_s / span * 100 if span > 0 else math.nan
-        kept_up = span <= r.seconds + 1.0
-        print(
-            f"  {r.rate:g} events/s offered ({r.rate * clients:,.0f} frames/s): published "
-            f"{len(r.seqs)} in {r.seconds:.2f} s, delivered {frames:,} frames in {span:.2f} s = "
-            f"{fps:,.0f} frames/s; P50 {percentile(rl, 50):.1f} ms P99 {percentile(rl, 99):.1f} "
-            f"ms; gateway CPU {r.gateway_cpu_s:.2f} s ({cpu_pct:.0f} % of one core over the "
-            f"delivery span){'' if kept_up else '; fell behind'}",
-            flush=True,
-        )
-        table.append(
-            {
-                "rate": r.rate,
-                "offered_frames_per_s": rounded(r.rate * clients, 0),
-                "frames_per_s": rounded(fps, 0),
-                "p99_ms": rounded(percentile(rl, 99), 1),
-                "gateway_cpu_s": rounded(r.gateway_cpu_s, 2),
-                "kept_up": kept_up,
-            }
-        )
+        table.append(row)
     print(
         f"  sustained: {best:,.0f} frames/s written by one gateway process (target >= "
         f"{TARGET_FRAMES_PER_S:,.0f}: {'met' if best >= TARGET_FRAMES_PER_S else 'NOT met'}); "
@@ -328,6 +304,36 @@ def _summarize(
         "frames_per_s": rounded(best, 0),
         "target_frames_per_s": TARGET_FRAMES_PER_S,
         "rounds": table,
+    }
+
+
+def _round(
+    r: Round, report: Report, published: dict[int, float], clients: int
+) -> tuple[float, dict[str, Any]]:
+    """Print one round of the throughput phase; its frames per second and its row."""
+    frames = sum(len(report.events.get(s, ())) for s in r.seqs)
+    last = max((max(report.events[s]) for s in r.seqs if report.events.get(s)), default=0.0)
+    first = published[r.seqs[0]] if r.seqs else 0.0
+    span = last - first if last > first else math.nan
+    fps = frames / span if span > 0 else 0.0
+    rl = _latencies(report, published, r.seqs)
+    cpu_pct = r.gateway_cpu_s / span * 100 if span > 0 else math.nan
+    kept_up = span <= r.seconds + 1.0
+    print(
+        f"  {r.rate:g} events/s offered ({r.rate * clients:,.0f} frames/s): published "
+        f"{len(r.seqs)} in {r.seconds:.2f} s, delivered {frames:,} frames in {span:.2f} s = "
+        f"{fps:,.0f} frames/s; P50 {percentile(rl, 50):.1f} ms P99 {percentile(rl, 99):.1f} "
+        f"ms; gateway CPU {r.gateway_cpu_s:.2f} s ({cpu_pct:.0f} % of one core over the "
+        f"delivery span){'' if kept_up else '; fell behind'}",
+        flush=True,
+    )
+    return fps, {
+        "rate": r.rate,
+        "offered_frames_per_s": rounded(r.rate * clients, 0),
+        "frames_per_s": rounded(fps, 0),
+        "p99_ms": rounded(percentile(rl, 99), 1),
+        "gateway_cpu_s": rounded(r.gateway_cpu_s, 2),
+        "kept_up": kept_up,
     }
 
 

@@ -170,12 +170,7 @@ async def _admin(http: httpx.AsyncClient, url: str, method: str, path: str, **kw
 async def _create_and_submit(
     db: Database, state: StateService, sandbox_url: str, opts: Options
 ) -> int:
-    principals: list[tuple[uuid.UUID, Principal]] = []
-    async with db.connection() as conn:
-        for i in range(opts.tenants):
-            made = await create_project_in(conn, f"bench-tenant-{i}", "bench")
-            principal = Principal(uuid.UUID(made["tenant_id"]), uuid.UUID(made["user_id"]))
-            principals.append((uuid.UUID(made["project_id"]), principal))
+    principals = await _principals(db, opts)
     store = TaskStore(db, state, timedelta(hours=1))
     creates = RateLimiter(None, RateLimitConfig(global_limit=Limit(opts.limit_qps, opts.burst)))
     adapter = _adapter(sandbox_url)
@@ -212,22 +207,7 @@ async def _create_and_submit(
             except ProviderError as exc:
                 print(f"  submit failed: {exc}", flush=True)
                 continue
-            async with db.transaction() as conn:
-                await conn.execute(
-                    "UPDATE task_attempts SET provider_task_id = $2, "
-                    "next_poll_at = now() + make_interval(secs => $3) WHERE id = $1",
-                    row["id"],
-                    result.provider_task_id,
-                    rand.uniform(0, 5),
-                )
-                await state.apply_in(
-                    conn,
-                    PlatformObservation(
-                        kind=PlatformKind.SUBMIT_ACCEPTED,
-                        attempt_id=row["id"],
-                        source=Source.SUBMIT,
-                    ),
-                )
+            await _accepted(db, state, row["id"], result.provider_task_id, rand.uniform(0, 5))
             done += 1
 
     try:
@@ -235,6 +215,43 @@ async def _create_and_submit(
     finally:
         await adapter.aclose()
     return done
+
+
+async def _principals(db: Database, opts: Options) -> list[tuple[uuid.UUID, Principal]]:
+    """One project (and its principal) per bench tenant."""
+    principals: list[tuple[uuid.UUID, Principal]] = []
+    async with db.connection() as conn:
+        for i in range(opts.tenants):
+            made = await create_project_in(conn, f"bench-tenant-{i}", "bench")
+            principal = Principal(uuid.UUID(made["tenant_id"]), uuid.UUID(made["user_id"]))
+            principals.append((uuid.UUID(made["project_id"]), principal))
+    return principals
+
+
+async def _accepted(
+    db: Database,
+    state: StateService,
+    attempt_id: uuid.UUID,
+    provider_task_id: str,
+    first_poll_s: float,
+) -> None:
+    """Record a bench submit as the submitter would: provider task id, first poll, accepted."""
+    async with db.transaction() as conn:
+        await conn.execute(
+            "UPDATE task_attempts SET provider_task_id = $2, "
+            "next_poll_at = now() + make_interval(secs => $3) WHERE id = $1",
+            attempt_id,
+            provider_task_id,
+            first_poll_s,
+        )
+        await state.apply_in(
+            conn,
+            PlatformObservation(
+                kind=PlatformKind.SUBMIT_ACCEPTED,
+                attempt_id=attempt_id,
+                source=Source.SUBMIT,
+            ),
+        )
 
 
 async def _token(limiter: RateLimiter) -> None:
@@ -454,22 +471,27 @@ def _report(
         "applied": sum(p.stats.applied for p in pollers),
         "released": sum(p.stats.released for p in pollers),
     }
+    _print_summary(opts, figures)
+    print_json_line(figures)
+    return 0
+
+
+def _print_summary(opts: Options, figures: dict[str, Any]) -> None:
     print(
-        f"  max {max_rps}/s (cap {opts.cap}), {over} s over the cap, "
-        f"{figures['mean_rps']}/s steady; {polls} polls of {covered} attempts"
+        f"  max {figures['max_rps']}/s (cap {opts.cap}), {figures['seconds_over_cap']} s over "
+        f"the cap, {figures['mean_rps']}/s steady; {figures['polls']} polls of "
+        f"{figures['attempts_polled']} attempts"
     )
     print(
         f"  gap / targeted interval: p50 {figures['gap_p50_ratio']}, "
-        f"p99 {figures['gap_p99_ratio']} over {len(targeted)} gaps; stretch p50 "
+        f"p99 {figures['gap_p99_ratio']} over {figures['gap_pairs']} gaps; stretch p50 "
         f"{figures['stretch_p50']}, gap / table interval p50 {figures['nominal_gap_p50_ratio']}"
     )
     print(
         f"  {figures['statements_per_poll']} statements per poll (counted), "
         f"{figures['commits_per_poll']} commits per poll (pg_stat_database); "
-        f"outcomes {json.dumps(dict(outcomes))}"
+        f"outcomes {json.dumps(figures['outcomes'])}"
     )
-    print_json_line(figures)
-    return 0
 
 
 __all__ = ["Options", "run"]

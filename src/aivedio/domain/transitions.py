@@ -273,6 +273,25 @@ def _decide_provider(
     now: datetime,
     policy: CoalescePolicy,
 ) -> Decision:
+    target = _PROVIDER_TARGET[obs.status]
+    refused = _refuse_provider(task, attempt, obs, target)
+    if refused is not None:
+        return refused
+    recorded = _recorded_attempt(attempt, obs)
+    if task.status is Status.CANCEL_REQUESTED and target in _CANCEL_PENDING_TARGETS:
+        # Still working at the provider: the user already sees "canceling".
+        return _ignored(Reason.CANCEL_PENDING, recorded)
+    if target is task.status:
+        return _progress_only(task, obs.progress, now, policy, recorded)
+    if target not in SUCCESSORS[task.status]:
+        return _ignored(Reason.ILLEGAL_TRANSITION, recorded)
+    return Decision(Outcome.APPLIED, change=_provider_change(target, obs), attempt=recorded)
+
+
+def _refuse_provider(
+    task: TaskView, attempt: AttemptView, obs: ProviderObservation, target: Status
+) -> Decision | None:
+    """The decision for a provider report that records nothing, or None to go on."""
     seen = attempt.provider_status
     if seen in PROVIDER_TERMINAL:
         if obs.status in PROVIDER_TERMINAL and obs.status is not seen:
@@ -282,7 +301,6 @@ def _decide_provider(
                 reconcile=ReconcileKind.CONTRADICTORY_TERMINAL,
             )
         return _ignored(Reason.NO_CHANGE if obs.status is seen else Reason.AFTER_TERMINAL)
-    target = _PROVIDER_TARGET[obs.status]
     if STATUS_TABLE[task.status].terminal:
         # A task can finish without a provider terminal (submit rejected); a provider terminal
         # that disagrees with it is a contradiction, anything else comes too late.
@@ -301,8 +319,12 @@ def _decide_provider(
         return _ignored(Reason.STALE_SEQUENCE)
     if seen is not None and obs.status is not seen and obs.status not in PROVIDER_SUCCESSORS[seen]:
         return _ignored(Reason.STALE_STATUS)
+    return None
 
-    recorded = AttemptChange(
+
+def _recorded_attempt(attempt: AttemptView, obs: ProviderObservation) -> AttemptChange:
+    """What the attempt remembers of an accepted provider report."""
+    return AttemptChange(
         provider_status=obs.status,
         last_provider_seq=(
             obs.provider_sequence
@@ -311,18 +333,15 @@ def _decide_provider(
         ),
         last_provider_at=obs.provider_occurred_at or attempt.last_provider_at,
     )
-    if task.status is Status.CANCEL_REQUESTED and target in _CANCEL_PENDING_TARGETS:
-        # Still working at the provider: the user already sees "canceling".
-        return _ignored(Reason.CANCEL_PENDING, recorded)
-    if target is task.status:
-        return _progress_only(task, obs.progress, now, policy, recorded)
-    if target not in SUCCESSORS[task.status]:
-        return _ignored(Reason.ILLEGAL_TRANSITION, recorded)
+
+
+def _provider_change(target: Status, obs: ProviderObservation) -> TaskChange:
+    """The task change for a provider report that moves the task to `target`."""
     error_code = obs.error_code if target is Status.FAILED else None
     error_message = obs.error_message if target is Status.FAILED else None
     if target is Status.FAILED and error_code is None:
         error_code = "generation_failed"
-    change = TaskChange(
+    return TaskChange(
         status=target,
         stage=STATUS_TABLE[target].stage,
         progress=obs.progress if target in _HAS_PROGRESS else None,
@@ -330,7 +349,6 @@ def _decide_provider(
         error_message=error_message,
         asset_id=None,
     )
-    return Decision(Outcome.APPLIED, change=change, attempt=recorded)
 
 
 def _decide_platform(

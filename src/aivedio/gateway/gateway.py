@@ -80,32 +80,14 @@ class Gateway:
         # ``gateway`` in the process's health (``/readyz``) when it is given.
         self.health = health if health is not None else Health()
         self.store = EventStore(db)
-        self.redis = (
-            redis
-            if redis is not None
-            else Redis.from_url(
-                config.redis_url,
-                socket_timeout=config.redis_timeout_s,
-                socket_connect_timeout=config.redis_timeout_s,
-            )
-        )
+        self.redis = redis if redis is not None else _redis_client(config)
         self.tailcheck: TailCheck
         # Fan-out: the broadcast channel, or this node's own channel plus its routes in Redis.
         if config.fanout not in ("broadcast", "node"):
             raise ValueError(f"fanout is 'broadcast' or 'node', not {config.fanout!r}")
         self.node_id = check_node_id(config.node_id or new_node_id())
         self.routes: NodeRoutes | None = None
-        channel = config.channel
-        if config.fanout == "node":
-            channel = node_channel(config.channel_prefix, self.node_id)
-            self.routes = NodeRoutes(
-                self.redis,
-                config.channel_prefix,
-                self.node_id,
-                ttl_s=config.route_ttl_s,
-                timeout_s=config.redis_timeout_s,
-                on_registered=self._on_registered,
-            )
+        channel = self._fanout_channel()
         # The events arrive by the fan-out: Redis Pub/Sub on the same client unless given.
         self.fanout = fanout if fanout is not None else RedisFanout(self.redis)
         self.hub = Hub(
@@ -142,6 +124,22 @@ class Gateway:
         self._opening: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
         self._jobs: list[asyncio.Task[None]] = []
+
+    def _fanout_channel(self) -> str:
+        """The channel this node listens on: the broadcast channel, or (``node`` fan-out) its
+        own channel, with its routes in Redis set up in ``self.routes``."""
+        config = self.config
+        if config.fanout == "broadcast":
+            return config.channel
+        self.routes = NodeRoutes(
+            self.redis,
+            config.channel_prefix,
+            self.node_id,
+            ttl_s=config.route_ttl_s,
+            timeout_s=config.redis_timeout_s,
+            on_registered=self._on_registered,
+        )
+        return node_channel(config.channel_prefix, self.node_id)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -462,3 +460,11 @@ class Gateway:
     @property
     def connections(self) -> int:
         return sum(len(s) for s in self.by_key.values())
+
+
+def _redis_client(config: GatewayConfig) -> Redis:
+    return Redis.from_url(
+        config.redis_url,
+        socket_timeout=config.redis_timeout_s,
+        socket_connect_timeout=config.redis_timeout_s,
+    )

@@ -18,7 +18,7 @@ import math
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from urllib.parse import urlencode
@@ -124,6 +124,24 @@ def playback_routes(
     clock: Callable[[], float] = time.time,
 ) -> list[BaseRoute]:
     """The two routes; the lead mounts them on the API app (``create_app(extra_routes=...)``)."""
+    return [
+        Route(
+            "/v1/projects/{project_id}/assets/{asset_id}/playback",
+            _issue_endpoint(db, config, clock),
+            methods=["GET"],
+        ),
+        Route(
+            "/v1/media/{asset_id}",
+            _media_endpoint(db, store, config, clock),
+            methods=["GET", "HEAD"],
+        ),
+    ]
+
+
+def _issue_endpoint(
+    db: Database, config: PlaybackConfig, clock: Callable[[], float]
+) -> Callable[[Request], Awaitable[Response]]:
+    """``GET .../assets/{asset_id}/playback``: a signed, expiring link (or a redirect to it)."""
 
     async def issue(request: Request) -> Response:
         principal = await authenticate(db, request)
@@ -145,6 +163,14 @@ def playback_routes(
             PlaybackLink(url=url, expires_at=expires.isoformat().replace("+00:00", "Z")),
             headers={"Cache-Control": "no-store"},
         )
+
+    return issue
+
+
+def _media_endpoint(
+    db: Database, store: ObjectStore, config: PlaybackConfig, clock: Callable[[], float]
+) -> Callable[[Request], Awaitable[Response]]:
+    """``GET|HEAD /v1/media/{asset_id}``: the asset's bytes for a valid signature, ranges too."""
 
     async def media(request: Request) -> Response:
         raw_id = request.path_params["asset_id"]
@@ -180,10 +206,7 @@ def playback_routes(
             headers=headers,
         )
 
-    return [
-        Route("/v1/projects/{project_id}/assets/{asset_id}/playback", issue, methods=["GET"]),
-        Route("/v1/media/{asset_id}", media, methods=["GET", "HEAD"]),
-    ]
+    return media
 
 
 async def _stream(

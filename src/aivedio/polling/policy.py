@@ -248,6 +248,46 @@ def after_success(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _FailureClass:
+    """How one failed query outcome is treated (seed §12.8.4)."""
+
+    backoff: Backoff
+    floor_s: float = 0.0
+    counts: bool = True  # towards status_unknown
+    reconcile: Reconcile | None = None
+    alert: Alert | None = None
+    provider_failure: bool = False
+    credential_failure: bool = False
+
+
+def _classify_failure(
+    facts: AttemptFacts,
+    outcome: Outcome,
+    policy: PollPolicy,
+    failures: int,
+    retry_after_s: float | None,
+) -> _FailureClass:
+    if outcome is Outcome.RATE_LIMITED:
+        # Honour Retry-After and widen: never sooner than the provider asked, and the backoff
+        # grows with each consecutive 429.
+        return _FailureClass(policy.rate_limited, floor_s=max(0.0, retry_after_s or 0.0))
+    if outcome is Outcome.UNAVAILABLE:
+        return _FailureClass(policy.errors, provider_failure=True)
+    if outcome is Outcome.NOT_FOUND:
+        if facts.age_s < policy.not_found_grace_s:
+            # eventual consistency just after submit
+            return _FailureClass(policy.not_found, counts=False)
+        return _FailureClass(policy.overdue, reconcile=Reconcile.NOT_FOUND, alert=Alert.NOT_FOUND)
+    if outcome is Outcome.AUTH_FAILED:
+        # no hot retry: our credential is the problem
+        return _FailureClass(policy.auth, credential_failure=True, alert=Alert.AUTH_FAILED)
+    # MALFORMED
+    if failures >= policy.malformed_retries:
+        return _FailureClass(policy.malformed, reconcile=Reconcile.MALFORMED, alert=Alert.MALFORMED)
+    return _FailureClass(policy.malformed)
+
+
 def after_failure(
     facts: AttemptFacts,
     outcome: Outcome,
@@ -261,43 +301,15 @@ def after_failure(
         raise ValueError("after_failure needs a failed outcome")
     failures = facts.failures + 1
     n = failures - 1
-    floor = 0.0
-    reconcile: Reconcile | None = None
-    alerts: list[Alert] = []
-    provider_failure = credential_failure = False
-    counts = True  # towards status_unknown
-    backoff: Backoff
-    if outcome is Outcome.RATE_LIMITED:
-        # Honour Retry-After and widen: never sooner than the provider asked, and the backoff
-        # grows with each consecutive 429.
-        backoff = policy.rate_limited
-        floor = max(0.0, retry_after_s or 0.0)
-    elif outcome is Outcome.UNAVAILABLE:
-        backoff = policy.errors
-        provider_failure = True
-    elif outcome is Outcome.NOT_FOUND:
-        if facts.age_s < policy.not_found_grace_s:
-            backoff = policy.not_found  # eventual consistency just after submit
-            counts = False
-        else:
-            backoff = policy.overdue
-            reconcile = Reconcile.NOT_FOUND
-            alerts.append(Alert.NOT_FOUND)
-    elif outcome is Outcome.AUTH_FAILED:
-        backoff = policy.auth  # no hot retry: our credential is the problem
-        credential_failure = True
-        alerts.append(Alert.AUTH_FAILED)
-    else:  # MALFORMED
-        backoff = policy.malformed
-        if failures >= policy.malformed_retries:
-            reconcile = Reconcile.MALFORMED
-            alerts.append(Alert.MALFORMED)
-    if not counts:
+    kind = _classify_failure(facts, outcome, policy, failures, retry_after_s)
+    alerts: list[Alert] = [] if kind.alert is None else [kind.alert]
+    if not kind.counts:
         failures = facts.failures
-    status_unknown = counts and failures == policy.unknown_after
+    status_unknown = kind.counts and failures == policy.unknown_after
     if status_unknown:
         alerts.append(Alert.STATUS_UNKNOWN)
-    nominal = backoff.nominal(n)
+    floor = kind.floor_s
+    nominal = kind.backoff.nominal(n)
     delay = max(policy.min_interval_s, jittered(nominal, rand, policy.jitter), floor)
     return PollDecision(
         delay_s=delay,
@@ -306,10 +318,10 @@ def after_failure(
         failures=failures,
         unchanged=facts.unchanged,
         status_unknown=status_unknown,
-        reconcile=reconcile,
+        reconcile=kind.reconcile,
         alerts=tuple(alerts),
-        provider_failure=provider_failure,
-        credential_failure=credential_failure,
+        provider_failure=kind.provider_failure,
+        credential_failure=kind.credential_failure,
     )
 
 

@@ -289,7 +289,20 @@ class NotificationDispatcher:
     async def handle(self, deliveries: Sequence[Delivery]) -> bool:
         """Publish one batch to the fan-out and settle every delivery; ``False`` if it failed."""
         started = time.perf_counter()
-        cfg = self.config
+        publish, drop = await self._sort(deliveries)
+        if publish and not await self._publish(publish):
+            await self._settle([d for d, _ in publish], nak_delay=self.config.redis_nak_delay_s)
+            await self._settle(drop)
+            return False
+        await self._settle([d for d, _ in publish] + drop)
+        BATCH_SECONDS.observe(time.perf_counter() - started)
+        return True
+
+    async def _sort(
+        self, deliveries: Sequence[Delivery]
+    ) -> tuple[list[tuple[Delivery, RoutedEvent]], list[Delivery]]:
+        """Split a batch into the new events to publish and the deliveries to ack unpublished
+        (ignored types, duplicates); a malformed delivery is handled on the spot."""
         publish: list[tuple[Delivery, RoutedEvent]] = []
         drop: list[Delivery] = []
         batch_high: dict[str, int] = {}
@@ -312,47 +325,45 @@ class NotificationDispatcher:
                 continue
             batch_high[event.task_id] = event.task_version
             publish.append((d, event))
-        if publish:
-            try:
-                messages: list[tuple[str, bytes]] = []
-                dispatched = time.time()
-                for _, event in publish:
-                    body = routed_message(event, dispatched)
-                    for channel in self.router(event):
-                        messages.append((channel, body))
-                if messages:
-                    await self.fanout.publish_many(messages)
-            except FanoutError as exc:
-                self._failure = exc
-                REDIS_ERRORS.inc()
-                EVENTS.labels("retried").inc(len(publish))
-                log(
-                    logger,
-                    logging.WARNING,
-                    "fan-out publish failed",
-                    error=repr(exc),
-                    trace_ids=sorted({e.trace_id for _, e in publish if e.trace_id}),
-                )
-                await self._settle([d for d, _ in publish], nak_delay=cfg.redis_nak_delay_s)
-                await self._settle(drop)
-                return False
+        return publish, drop
+
+    async def _publish(self, publish: list[tuple[Delivery, RoutedEvent]]) -> bool:
+        """One fan-out round trip for the batch's events; ``False`` (logged) if it failed."""
+        try:
+            messages: list[tuple[str, bytes]] = []
+            dispatched = time.time()
             for _, event in publish:
-                self.versions.record(event.task_id, event.task_version)
-                if event.relayed_at is not None:
-                    LAG_SECONDS.observe(max(0.0, dispatched - event.relayed_at))
-            EVENTS.labels("published").inc(len(publish))
-            if logger.isEnabledFor(logging.DEBUG):
-                log(
-                    logger,
-                    logging.DEBUG,
-                    "events published to redis",  # the documented log line (metrics.md)
-                    events=[
-                        {"task_id": e.task_id, "seq": e.seq, "trace_id": e.trace_id}
-                        for _, e in publish
-                    ],
-                )
-        await self._settle([d for d, _ in publish] + drop)
-        BATCH_SECONDS.observe(time.perf_counter() - started)
+                body = routed_message(event, dispatched)
+                for channel in self.router(event):
+                    messages.append((channel, body))
+            if messages:
+                await self.fanout.publish_many(messages)
+        except FanoutError as exc:
+            self._failure = exc
+            REDIS_ERRORS.inc()
+            EVENTS.labels("retried").inc(len(publish))
+            log(
+                logger,
+                logging.WARNING,
+                "fan-out publish failed",
+                error=repr(exc),
+                trace_ids=sorted({e.trace_id for _, e in publish if e.trace_id}),
+            )
+            return False
+        for _, event in publish:
+            self.versions.record(event.task_id, event.task_version)
+            if event.relayed_at is not None:
+                LAG_SECONDS.observe(max(0.0, dispatched - event.relayed_at))
+        EVENTS.labels("published").inc(len(publish))
+        if logger.isEnabledFor(logging.DEBUG):
+            log(
+                logger,
+                logging.DEBUG,
+                "events published to redis",  # the documented log line (metrics.md)
+                events=[
+                    {"task_id": e.task_id, "seq": e.seq, "trace_id": e.trace_id} for _, e in publish
+                ],
+            )
         return True
 
     async def _malformed(self, d: Delivery, reason: str) -> None:

@@ -138,22 +138,8 @@ def build_providers(
                 client=client,
             )
         )
-    if (fl := config.fal) is not None:
-        jwks = JwksCache(httpx_fetcher(fl.jwks_url, client=client))
-        made.append(
-            FalAdapter(
-                api_key=fl.api_key,
-                app_id=fl.app_id,
-                verifier=FalEd25519Verifier(
-                    jwks, fl.tolerance_s, expected_user_ids=fl.expected_user_ids
-                ),
-                public_url=public,
-                base_url=fl.base_url,
-                max_body_bytes=fl.max_body_bytes,
-                http=http,
-                client=client,
-            )
-        )
+    if config.fal is not None:
+        made.append(_fal(config.fal, config, client))
     if (rw := config.runway) is not None:
         made.append(
             RunwayAdapter(
@@ -164,22 +150,40 @@ def build_providers(
                 client=client,
             )
         )
-    if (kl := config.kling) is not None:
-        made.append(
-            KlingAdapter(
-                access_key=kl.access_key,
-                secret_key=kl.secret_key,
-                callback_token_secrets=tuple(
-                    (f"k{i}", secret) for i, secret in enumerate(kl.callback_token_secrets)
-                ),
-                public_url=public,
-                base_url=kl.base_url,
-                max_body_bytes=kl.max_body_bytes,
-                http=http,
-                client=client,
-            )
-        )
+    if config.kling is not None:
+        made.append(_kling(config.kling, config, client))
     return {adapter.name: adapter for adapter in made}
+
+
+def _fal(fl: FalConfig, config: ProvidersConfig, client: httpx.AsyncClient | None) -> FalAdapter:
+    jwks = JwksCache(httpx_fetcher(fl.jwks_url, client=client))
+    return FalAdapter(
+        api_key=fl.api_key,
+        app_id=fl.app_id,
+        verifier=FalEd25519Verifier(jwks, fl.tolerance_s, expected_user_ids=fl.expected_user_ids),
+        public_url=config.public_url,
+        base_url=fl.base_url,
+        max_body_bytes=fl.max_body_bytes,
+        http=config.http,
+        client=client,
+    )
+
+
+def _kling(
+    kl: KlingConfig, config: ProvidersConfig, client: httpx.AsyncClient | None
+) -> KlingAdapter:
+    return KlingAdapter(
+        access_key=kl.access_key,
+        secret_key=kl.secret_key,
+        callback_token_secrets=tuple(
+            (f"k{i}", secret) for i, secret in enumerate(kl.callback_token_secrets)
+        ),
+        public_url=config.public_url,
+        base_url=kl.base_url,
+        max_body_bytes=kl.max_body_bytes,
+        http=config.http,
+        client=client,
+    )
 
 
 def callback_providers(adapters: Mapping[str, ProviderAdapter]) -> dict[str, CallbackProvider]:
@@ -214,18 +218,7 @@ def providers_config(settings: Settings) -> ProvidersConfig:
         )
     replicate = None
     if settings.replicate_api_token is not None:
-        secrets = _split(settings.replicate_webhook_secrets)
-        if not secrets:
-            raise ConfigError(
-                "replicate is configured but AIVEDIO_REPLICATE_WEBHOOK_SECRETS is empty"
-            )
-        replicate = ReplicateConfig(
-            api_token=_require(
-                settings.replicate_api_token, "AIVEDIO_REPLICATE_API_TOKEN", "replicate"
-            ),
-            webhook_secrets=secrets,
-            base_url=settings.replicate_url,
-        )
+        replicate = _replicate_config(settings, settings.replicate_api_token)
     fal = None
     if settings.fal_api_key is not None:
         users = _split(settings.fal_user_ids)
@@ -245,17 +238,7 @@ def providers_config(settings: Settings) -> ProvidersConfig:
         )
     kling = None
     if settings.kling_access_key is not None:
-        token_secrets = tuple(s.encode() for s in _split(settings.kling_callback_secrets))
-        if any(len(secret) < 16 for secret in token_secrets):
-            raise ConfigError("every AIVEDIO_KLING_CALLBACK_SECRETS entry needs 16 bytes or more")
-        kling = KlingConfig(
-            access_key=_require(settings.kling_access_key, "AIVEDIO_KLING_ACCESS_KEY", "kling"),
-            secret_key=_require(settings.kling_secret_key, "AIVEDIO_KLING_SECRET_KEY", "kling"),
-            # Newest first; without rotation, one key derived from the master secret.
-            callback_token_secrets=token_secrets
-            or (settings.derived_secret("kling-callback-tokens"),),
-            base_url=settings.kling_url,
-        )
+        kling = _kling_config(settings, settings.kling_access_key)
     return ProvidersConfig(
         public_url=settings.public_url,
         sandbox=sandbox,
@@ -263,4 +246,28 @@ def providers_config(settings: Settings) -> ProvidersConfig:
         fal=fal,
         runway=runway,
         kling=kling,
+    )
+
+
+def _replicate_config(settings: Settings, api_token: str) -> ReplicateConfig:
+    secrets = _split(settings.replicate_webhook_secrets)
+    if not secrets:
+        raise ConfigError("replicate is configured but AIVEDIO_REPLICATE_WEBHOOK_SECRETS is empty")
+    return ReplicateConfig(
+        api_token=_require(api_token, "AIVEDIO_REPLICATE_API_TOKEN", "replicate"),
+        webhook_secrets=secrets,
+        base_url=settings.replicate_url,
+    )
+
+
+def _kling_config(settings: Settings, access_key: str) -> KlingConfig:
+    token_secrets = tuple(s.encode() for s in _split(settings.kling_callback_secrets))
+    if any(len(secret) < 16 for secret in token_secrets):
+        raise ConfigError("every AIVEDIO_KLING_CALLBACK_SECRETS entry needs 16 bytes or more")
+    return KlingConfig(
+        access_key=_require(access_key, "AIVEDIO_KLING_ACCESS_KEY", "kling"),
+        secret_key=_require(settings.kling_secret_key, "AIVEDIO_KLING_SECRET_KEY", "kling"),
+        # Newest first; without rotation, one key derived from the master secret.
+        callback_token_secrets=token_secrets or (settings.derived_secret("kling-callback-tokens"),),
+        base_url=settings.kling_url,
     )

@@ -194,7 +194,12 @@ async def write_event(
         a.dedup_key if a else None,
     )
     assert row is not None  # one row, always
-    if a is None and row["head"] is None:
+    return _written(row, ref, version, public=a is None)
+
+
+def _written(row: asyncpg.Record, ref: TaskRef, version: int, *, public: bool) -> EventWritten:
+    """Check the ``write_event`` statement's row: the stream exists, the task moved one version."""
+    if public and row["head"] is None:
         raise RuntimeError(f"project {ref.project_id} has no event stream")
     if row["tasks_updated"] != 1:
         raise RuntimeError(f"task {ref.task_id} is not at version {version - 1}")
@@ -247,6 +252,21 @@ async def write_events(conn: asyncpg.Connection, events: Sequence[NewEvent]) -> 
     """
     if not events:
         return []
+    rows = await conn.fetch(q("write_events"), *_columns(events))
+    if len(rows) != len(events) or any(
+        e.audit is None and row["seq"] is None for row, e in zip(rows, events, strict=True)
+    ):
+        raise RuntimeError("a project of the batch has no event stream")
+    if rows[0]["tasks_updated"] != rows[0]["tasks"]:
+        raise RuntimeError("a task of the batch is not at the version it was decided on")
+    return [
+        EventWritten(epoch=row["epoch"], seq=row["seq"], version=e.version)
+        for row, e in zip(rows, events, strict=True)
+    ]
+
+
+def _columns(events: Sequence[NewEvent]) -> list[list[Any]]:
+    """The ``write_events`` statement's 28 array arguments, one element per event."""
     columns: list[list[Any]] = [[] for _ in range(28)]
     for e in events:
         public, payload = _payloads(
@@ -292,14 +312,4 @@ async def write_events(conn: asyncpg.Connection, events: Sequence[NewEvent]) -> 
         )
         for column, value in zip(columns, values, strict=True):
             column.append(value)
-    rows = await conn.fetch(q("write_events"), *columns)
-    if len(rows) != len(events) or any(
-        e.audit is None and row["seq"] is None for row, e in zip(rows, events, strict=True)
-    ):
-        raise RuntimeError("a project of the batch has no event stream")
-    if rows[0]["tasks_updated"] != rows[0]["tasks"]:
-        raise RuntimeError("a task of the batch is not at the version it was decided on")
-    return [
-        EventWritten(epoch=row["epoch"], seq=row["seq"], version=e.version)
-        for row, e in zip(rows, events, strict=True)
-    ]
+    return columns

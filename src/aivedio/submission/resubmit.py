@@ -14,6 +14,8 @@ import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+import asyncpg
+
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.domain.observation import Source
@@ -72,18 +74,9 @@ async def resubmit(db: Database, task_id: uuid.UUID, reason: str, operator: str)
     if not reason or not operator:
         raise ValueError("a resubmit needs a reason and an operator")
     async with db.transaction() as conn:
-        row = await conn.fetchrow(q("lock_task_by_id"), task_id)
-        if row is None:
-            raise NotFound("task")
+        row = await _lock_resubmittable(conn, task_id)
         status = Status(row["status"])
         old_attempt: uuid.UUID = row["attempt_id"]
-        flagged = await conn.fetch(q("open_items_of_attempt"), old_attempt)
-        if status in _NEVER or (status not in RESUBMITTABLE and not flagged):
-            raise Conflict(
-                "not_resubmittable",
-                f"a task in status {status} with no open reconciliation item is not resubmitted"
-                f" (public status {STATUS_TABLE[status].public})",
-            )
         attempt_no = await conn.fetchval(q("max_attempt_no"), task_id) + 1
         attempt_id = uuid.uuid4()
         client_request_id = new_client_request_id()
@@ -119,31 +112,56 @@ async def resubmit(db: Database, task_id: uuid.UUID, reason: str, operator: str)
             operator,
         )
         await conn.execute(q("switch_attempt"), task_id, attempt_id)
-        now = datetime.now(UTC)
-        shown = TaskChange(
-            status, Stage(row["stage"]), row["progress"], row["error_code"], None, row["asset_id"]
-        )
-        audit = None  # submit_unknown -> created looks the same: a version, not a public event
-        if not changes_public(shown, RETRY_CHANGE):
-            audit = AuditRow(str(Reason.NO_PUBLIC_CHANGE), "resubmit", now)
-        written = await write_event(
-            conn,
-            TaskRef(task_id, row["project_id"], row["tenant_id"], row["user_id"]),
-            attempt_id=attempt_id,
-            version=row["version"] + 1,
-            change=RETRY_CHANGE,
-            source=str(Source.RECONCILE),
-            trace_id=None,
-            occurred_at=now,
-            audit=audit,
-        )
+        version = await _write_retry(conn, task_id, row, attempt_id)
     return Resubmitted(
         task_id=task_id,
         previous_attempt_id=old_attempt,
         attempt_id=attempt_id,
         attempt_no=attempt_no,
         client_request_id=client_request_id,
-        task_version=written.version,
+        task_version=version,
         resolved_items=tuple(r["id"] for r in resolved),
         audit_item_id=audit_id,
     )
+
+
+async def _lock_resubmittable(conn: asyncpg.Connection, task_id: uuid.UUID) -> asyncpg.Record:
+    """Lock the task's row; ``NotFound`` or ``Conflict`` unless it may be resubmitted."""
+    row = await conn.fetchrow(q("lock_task_by_id"), task_id)
+    if row is None:
+        raise NotFound("task")
+    status = Status(row["status"])
+    flagged = await conn.fetch(q("open_items_of_attempt"), row["attempt_id"])
+    if status in _NEVER or (status not in RESUBMITTABLE and not flagged):
+        raise Conflict(
+            "not_resubmittable",
+            f"a task in status {status} with no open reconciliation item is not resubmitted"
+            f" (public status {STATUS_TABLE[status].public})",
+        )
+    return row
+
+
+async def _write_retry(
+    conn: asyncpg.Connection, task_id: uuid.UUID, row: asyncpg.Record, attempt_id: uuid.UUID
+) -> int:
+    """The task's new version (``created``) on the new attempt; the version written."""
+    status = Status(row["status"])
+    now = datetime.now(UTC)
+    shown = TaskChange(
+        status, Stage(row["stage"]), row["progress"], row["error_code"], None, row["asset_id"]
+    )
+    audit = None  # submit_unknown -> created looks the same: a version, not a public event
+    if not changes_public(shown, RETRY_CHANGE):
+        audit = AuditRow(str(Reason.NO_PUBLIC_CHANGE), "resubmit", now)
+    written = await write_event(
+        conn,
+        TaskRef(task_id, row["project_id"], row["tenant_id"], row["user_id"]),
+        attempt_id=attempt_id,
+        version=row["version"] + 1,
+        change=RETRY_CHANGE,
+        source=str(Source.RECONCILE),
+        trace_id=None,
+        occurred_at=now,
+        audit=audit,
+    )
+    return written.version

@@ -188,6 +188,11 @@ class Submitter:
             webhook_url=adapter.webhook_url_for(str(c.attempt_id)),
             metadata={"client_request_id": c.client_request_id, "attempt_id": str(c.attempt_id)},
         )
+        await self._send(c, adapter, request)
+
+    async def _send(self, c: Claimed, adapter: ProviderAdapter, request: SubmitRequest) -> None:
+        """One create at the provider, and the outcome its answer (or error) leads to."""
+        honours = adapter.honours_idempotency_key
         started = time.perf_counter()
         try:
             result = await adapter.submit(request)
