@@ -60,53 +60,63 @@ async def supervise(
             while not stopping.is_set():
                 unit.running()
                 started = clock()
-                error: BaseException | str
-                try:
-                    await loop(stopping)
-                except ConfigError as exc:
-                    log(
-                        logger,
-                        logging.ERROR,
-                        "role loop stopped by a configuration error",
-                        role=unit.role,
-                        loop=unit.loop,
-                        error=str(exc),
-                    )
-                    raise
-                except Exception as exc:
-                    if stopping.is_set():  # an error on the way out (a closed client): done
-                        log(
-                            logger,
-                            logging.DEBUG,
-                            "role loop ended with an error while stopping",
-                            role=unit.role,
-                            loop=unit.loop,
-                            error=repr(exc),
-                        )
-                        return
-                    error = exc
-                else:
-                    if stopping.is_set():
-                        return
-                    error = "ended by itself"
+                error = await _run_once(unit, loop, stopping)
+                if error is None:
+                    return
                 failures = consecutive_failures(failures, clock() - started, policy)
                 delay = restart_delay(failures, policy, rand())
-                RESTARTS.labels(unit.role, unit.loop).inc()
-                unit.restarting(error)
-                logger.error(
-                    "role loop failed; restarting",
-                    exc_info=error if isinstance(error, BaseException) else None,
-                    extra={
-                        "fields": {
-                            "role": unit.role,
-                            "loop": unit.loop,
-                            "error": repr(error) if isinstance(error, BaseException) else error,
-                            "failures": failures,
-                            "restart_in_s": round(delay, 3),
-                        }
-                    },
-                )
+                _restarting(unit, error, failures, delay)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stopping.wait(), delay)
         finally:
             unit.stopped()
+
+
+async def _run_once(
+    unit: LoopHealth, loop: Loop, stopping: asyncio.Event
+) -> BaseException | str | None:
+    """One run of ``loop``: why it has to be restarted, or None when it is done (it ended, or
+    failed, on the way out). A ``ConfigError`` is logged and raised: no restart mends it."""
+    try:
+        await loop(stopping)
+    except ConfigError as exc:
+        log(
+            logger,
+            logging.ERROR,
+            "role loop stopped by a configuration error",
+            role=unit.role,
+            loop=unit.loop,
+            error=str(exc),
+        )
+        raise
+    except Exception as exc:
+        if stopping.is_set():  # an error on the way out (a closed client): done
+            log(
+                logger,
+                logging.DEBUG,
+                "role loop ended with an error while stopping",
+                role=unit.role,
+                loop=unit.loop,
+                error=repr(exc),
+            )
+            return None
+        return exc
+    return None if stopping.is_set() else "ended by itself"
+
+
+def _restarting(unit: LoopHealth, error: BaseException | str, failures: int, delay: float) -> None:
+    RESTARTS.labels(unit.role, unit.loop).inc()
+    unit.restarting(error)
+    logger.error(
+        "role loop failed; restarting",
+        exc_info=error if isinstance(error, BaseException) else None,
+        extra={
+            "fields": {
+                "role": unit.role,
+                "loop": unit.loop,
+                "error": repr(error) if isinstance(error, BaseException) else error,
+                "failures": failures,
+                "restart_in_s": round(delay, 3),
+            }
+        },
+    )
