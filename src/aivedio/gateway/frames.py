@@ -96,8 +96,10 @@ def event_of(
     stored row). The replay builds 1,000 of them per page: one dict per event, not two."""
     task_id = str(payload["task_id"])
     status = str(payload["status"])
-    extra = f": {comment}\n" if comment else ""
-    frame = f"id: {epoch}-{seq}\nevent: task.status\ndata: {dumps(payload)}\n{extra}\n".encode()
+    extra = f": {comment}\n".encode() if comment else b""
+    # bytes straight from orjson: dumps()'s text, encoded again, costs a quarter more per frame
+    data = orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)
+    frame = b"id: %d-%d\nevent: task.status\ndata: %b\n%b\n" % (epoch, seq, data, extra)
     final = status in FINAL_PUBLIC_STATUSES
     coalesce = None if final else (task_id, status, str(payload["stage"]))
     return Event(

@@ -64,14 +64,12 @@ class EventStore:
         return [
             event_of(
                 epoch,
-                r["seq"],
-                stored_event(
-                    _payload(r["public_payload"]), r["task_id"], r["task_version"], r["seq"]
-                ),
-                stored_at=r["stored_at"],
-                trace_id=r["trace_id"],
+                seq,
+                stored_event(_payload(stored), task_id, version, seq),
+                stored_at=stored_at,
+                trace_id=trace_id,
             )
-            for r in rows
+            for seq, task_id, version, stored, trace_id, stored_at in rows
         ]
 
     async def project_tenant(self, project_id: uuid.UUID) -> uuid.UUID | None:
