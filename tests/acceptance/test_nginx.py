@@ -5,6 +5,7 @@ WebSocket upgrades, and a killed upstream is survived by reconnecting."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -218,11 +219,13 @@ def test_websocket_upgrades_through_nginx(stack_factory: Any) -> None:
             got: list[str] = []
 
             async def read() -> None:
-                async for frame in client.events():
-                    if frame.event == "task.status":
-                        got.append(str(frame.data["task_id"]))
-                        if len(got) == 2:
-                            return
+                # closed here, not left to the loop's finalizer (an unclosed stream otherwise)
+                async with contextlib.aclosing(client.events()) as frames:
+                    async for frame in frames:
+                        if frame.event == "task.status":
+                            got.append(str(frame.data["task_id"]))
+                            if len(got) == 2:
+                                return
 
             reader = asyncio.create_task(read())
             await asyncio.sleep(0)
@@ -252,11 +255,15 @@ def test_a_killed_upstream_is_survived_by_reconnecting(stack_factory: Any) -> No
             wanted = 6
 
             async def read() -> None:
-                async for frame in client.events():
-                    if frame.event == "task.status":
-                        got.append(str(frame.data["task_id"]))
-                        if len(got) == wanted:
-                            return
+                # Closed here: a generator left open at the break is finalized by asyncio.run's
+                # shutdown in a task that is destroyed pending, and its stream's socket is
+                # reported unclosed (ResourceWarning, an error under -W error): a flaky failure.
+                async with contextlib.aclosing(client.events()) as frames:
+                    async for frame in frames:
+                        if frame.event == "task.status":
+                            got.append(str(frame.data["task_id"]))
+                            if len(got) == wanted:
+                                return
 
             reader = asyncio.create_task(read())
             created = []
