@@ -105,6 +105,22 @@ class Load:
         task: dict[str, Any] = r.json()["task"]
         return task
 
+    async def not_ready(self, task_ids: list[str]) -> list[dict[str, Any]]:
+        """The tasks of ``task_ids`` not ``ready`` yet, as the database holds them."""
+        async with self.stack.rt.db.connection() as conn:
+            rows = await conn.fetch(
+                "SELECT t.id, t.status, t.stage, t.version, t.updated_at, now() AS now,"
+                " a.provider_task_id, a.provider_status, a.next_poll_at, a.poll_failures,"
+                " a.poll_lease_until, i.state AS intent, i.tries, i.next_attempt_at,"
+                " i.lease_until, i.last_error_code"
+                " FROM generation_tasks t"
+                " LEFT JOIN task_attempts a ON a.id = t.current_attempt_id"
+                " LEFT JOIN submit_intents i ON i.attempt_id = t.current_attempt_id"
+                " WHERE t.id = ANY($1::uuid[]) AND t.status <> 'ready'",
+                task_ids,
+            )
+        return [dict(r) for r in rows]
+
     async def all_ready(self, task_ids: list[str]) -> bool:
         for task_id in task_ids:
             if (await self.task(task_id))["status"] != "ready":
@@ -243,7 +259,10 @@ async def test_every_role_rides_out_a_restart_of_its_server(
                 )
 
         # The load's tasks, accepted before, during and after the outage, all converge.
-        await eventually(lambda: load.all_ready(load.accepted), "every accepted task")
+        try:
+            await eventually(lambda: load.all_ready(load.accepted), "every accepted task")
+        except AssertionError as timed_out:
+            raise AssertionError(await load.not_ready(load.accepted)) from timed_out
         assert load.other == []
         if kind == "postgres":
             assert load.unavailable > 0  # the API answered 503 + Retry-After meanwhile

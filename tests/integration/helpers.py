@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from aivedio.admin import create_project_in
-from aivedio.db.pool import Database
+from aivedio.db.pool import Database, DatabaseConfig
 from aivedio.state.service import StateService
 from aivedio.state.tasks import NewTask, Principal, TaskStore
+from tests.proxy import TcpProxy
 
 
 @dataclass(frozen=True)
@@ -60,3 +64,24 @@ async def make_task(
             "SELECT current_attempt_id FROM generation_tasks WHERE id = $1", task_id
         )
     return task_id, attempt_id
+
+
+@asynccontextmanager
+async def database_behind_a_proxy(database_url: str) -> AsyncIterator[tuple[TcpProxy, Database]]:
+    """A pool on ``database_url`` through a TCP proxy: ``await proxy.cut()`` takes PostgreSQL
+    away from it (every connection reset, new ones refused), ``await proxy.start()`` brings it
+    back on the same port."""
+    target = urlsplit(database_url)
+    proxy = TcpProxy(target.hostname or "127.0.0.1", target.port or 5432)
+    await proxy.start()
+    user, _, _ = target.netloc.rpartition("@")
+    netloc = f"{user}@127.0.0.1:{proxy.port}" if user else f"127.0.0.1:{proxy.port}"
+    url = urlunsplit((target.scheme, netloc, target.path, "", ""))
+    db = await Database.connect(
+        DatabaseConfig(url=url, min_size=1, max_size=4, acquire_timeout_s=1.0)
+    )
+    try:
+        yield proxy, db
+    finally:
+        await proxy.cut()
+        await db.close()

@@ -9,13 +9,16 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from datetime import timedelta
+from typing import Any
 
 import httpx
 import pytest
 
 from aivedio.db.pool import Database
 from aivedio.domain.observation import ProviderObservation, ProviderStatus, Source
+from aivedio.errors import DatabaseUnavailable
 from aivedio.providers.http import HttpConfig
 from aivedio.providers.port import ProviderAdapter
 from aivedio.reconcile.config import ReconcilerConfig
@@ -23,7 +26,13 @@ from aivedio.reconcile.reconciler import Reconciler
 from aivedio.state.service import StateService
 from aivedio.submission.config import SubmitterConfig
 from aivedio.submission.submitter import Submitter
-from tests.integration.helpers import Project, make_project, make_task, store
+from tests.integration.helpers import (
+    Project,
+    database_behind_a_proxy,
+    make_project,
+    make_task,
+    store,
+)
 from tests.integration.sandbox_harness import (
     LONG,
     FaultyCreates,
@@ -33,6 +42,7 @@ from tests.integration.sandbox_harness import (
     running_sandbox,
     task_row,
 )
+from tests.proxy import TcpProxy
 from tests.waiting import eventually
 
 FAST = SubmitterConfig(backoff_base_s=0.01, backoff_cap_s=0.05, auth_backoff_s=300)
@@ -293,3 +303,48 @@ async def test_a_callback_before_the_submit_response_keeps_the_provider_task_id(
             task_id,
         )
     assert [r["reason"] for r in reasons] == ["no_change"]
+
+
+class CutAfterTheCreate:
+    """The sandbox adapter, but PostgreSQL goes away as the first create is answered: the
+    submitter holds an answer it cannot write."""
+
+    def __init__(self, inner: ProviderAdapter, proxy: TcpProxy) -> None:
+        self.inner = inner
+        self.proxy = proxy
+        self.cut = False
+
+    async def submit(self, request: Any) -> Any:
+        result = await self.inner.submit(request)
+        if not self.cut:
+            self.cut = True
+            await self.proxy.cut()
+        return result
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def test_an_outcome_the_database_kept_from_being_written_is_settled_once_it_is_back(
+    db: Database, database_url: str, project: Project, sandbox: Sandbox
+) -> None:
+    task_id = await new_task(db, project)
+    adapter = sandbox.adapter()
+    try:
+        async with database_behind_a_proxy(database_url) as (proxy, cut_db):
+            cutting = CutAfterTheCreate(adapter, proxy)
+            worker = submitter(cut_db, cutting, replace(FAST, lease_s=600))  # type: ignore[arg-type]
+            with pytest.raises(DatabaseUnavailable):
+                await worker.run_once()
+            row = await task_row(db, task_id)
+            assert (row["intent_state"], row["status"]) == ("sending", "created")
+            await proxy.start()  # back: the intent's lease ends now, not in ten minutes
+            assert await worker.run_once() == 1
+            assert len(worker.left) == 0
+    finally:
+        await adapter.aclose()
+    row = await task_row(db, task_id)  # claimed as lapsed mid-send: the same key again
+    assert (row["status"], row["intent_state"], row["tries"]) == ("submitted", "accepted", 2)
+    stats = await sandbox.stats()
+    assert stats["generations"]["created"] == 1
+    assert stats["generations"]["create_requests"] == 2

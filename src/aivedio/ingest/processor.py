@@ -6,7 +6,8 @@ Claim with a lease
     ``lease_until`` and this claim's ``lease_token``; it commits at once. Any number of
     processors run side by side: SKIP LOCKED gives them disjoint rows, and the lease keeps a
     claimed row away from the others while it is worked on (a crashed processor's rows become
-    due again when the lease passes).
+    due again when the lease passes; rows the database interrupted, as soon as it is back:
+    :mod:`aivedio.db.leases`).
 Handed over, no claim
     In a process that also runs the callbacks role, the group commit stores new callbacks
     already leased to this processor and hands them over in memory (:mod:`aivedio.db.handoff`):
@@ -68,6 +69,7 @@ from datetime import UTC, datetime
 from prometheus_client import Counter, Histogram
 
 from aivedio.db.handoff import HandedRow, Handoff
+from aivedio.db.leases import LeftLeases
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.db.wakeup import IdleListener, wait_any
@@ -159,6 +161,8 @@ class InboxProcessor:
         self.state = state
         self.adapters = dict(adapters)
         self.config = config or InboxConfig()
+        self.left = LeftLeases("inbox_end_leases")
+        """Rows the database interrupted; their leases end at the next round (aivedio.db.leases)."""
         self.idle = IdleListener(
             db,
             channel=NOTIFY_CHANNEL,
@@ -207,6 +211,7 @@ class InboxProcessor:
     async def process_once(self) -> int:
         """Process the rows handed over, if any, else (or when a claim is due anyway) claim one
         batch from the table and process it; return how many rows were processed."""
+        await self.left.give_back(self.db)
         handoff = self._handoff
         handed: list[HandedRow] = []
         if handoff is not None and len(handoff):
@@ -243,8 +248,7 @@ class InboxProcessor:
         try:
             attempts = await Attempts.read(self.db, normalized)
         except DatabaseUnavailable:
-            # The leases run out and the rows are claimed again: nothing was committed.
-            log(logger, logging.WARNING, "inbox rows left for later", rows=len(normalized))
+            self._left_for_later([item.row for item in normalized], token)
             return
         limit = asyncio.Semaphore(self.config.concurrency)
 
@@ -267,7 +271,7 @@ class InboxProcessor:
         try:
             attempts = await Attempts.read(self.db, [item])
         except DatabaseUnavailable:
-            log(logger, logging.WARNING, "inbox row left for later", inbox_id=row["id"])
+            self._left_for_later([row], token)
             return
         ready = await self._prepare(item, attempts, token)
         if ready is not None:
@@ -314,8 +318,7 @@ class InboxProcessor:
         except Defer as defer:
             await self._defer(row, token, defer)
         except DatabaseUnavailable:
-            # The lease runs out and the row is claimed again: nothing was committed.
-            log(logger, logging.WARNING, "inbox row left for later", inbox_id=row["id"])
+            self._left_for_later([row], token)
         except Exception as exc:  # a bug: retry, then dead letter
             self._failed(row, exc)
             await self._defer(row, token, Defer("parse", "internal_error"))
@@ -369,7 +372,7 @@ class InboxProcessor:
                         [ready.state.provider_task_id for ready in taught.values()],
                     )
         except DatabaseUnavailable:
-            log(logger, logging.WARNING, "inbox rows left for later", rows=len(group))
+            self._left_for_later([ready.row for ready in group], token)
             return
         except Exception as exc:  # one bad row must not hold back the others: one by one
             log(
@@ -408,13 +411,19 @@ class InboxProcessor:
             self._committed([result])
             self._processed(ready, result)
         except DatabaseUnavailable:
-            # The lease runs out and the row is claimed again: nothing was committed.
-            log(logger, logging.WARNING, "inbox row left for later", inbox_id=row["id"])
+            self._left_for_later([row], token)
         except Exception as exc:  # a bug or a refused write: retry, then dead letter
             self._failed(row, exc)
             await self._defer(row, token, Defer("parse", "internal_error"))
         finally:
             trace_id_var.reset(trace)
+
+    def _left_for_later(self, rows: Sequence[InboxRecord], token: uuid.UUID) -> None:
+        """Rows the database kept from being processed: nothing of theirs was committed, and
+        their leases end at the next round the database answers (aivedio.db.leases)."""
+        log(logger, logging.WARNING, "inbox rows left for later", rows=len(rows))
+        for row in rows:
+            self.left.add(row["id"], token)
 
     def _committed(self, results: list[ApplyResult]) -> None:
         if self._on_applied is not None and any(r.event is not None for r in results):
@@ -465,7 +474,8 @@ class InboxProcessor:
                     defer.sample[:1000] if defer.sample else None,
                 )
         except DatabaseUnavailable:
-            return  # the lease runs out; the row is tried again
+            self._left_for_later([row], token)
+            return
         if result is None:
             return  # taken over by another processor
         record_deferral(row, defer, status, delay, result)

@@ -10,7 +10,8 @@ Any number of workers (in any number of processes) share the table: a claim take
 ``FOR UPDATE SKIP LOCKED`` and a lease with a fresh ``lease_token``. Every later write of that
 run (stage, retry, failure, publish) is conditional on the token, and the lease is renewed while
 the run lasts; a worker whose lease was taken over is cancelled and writes nothing more. So one
-operation never has two live runs, and a dead worker's operation is picked up after its lease.
+operation never has two live runs, and a dead worker's operation is picked up after its lease
+(one the database interrupted as soon as the database is back: :mod:`aivedio.db.leases`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import asyncpg
 import httpx
 from prometheus_client import Counter, Histogram
 
+from aivedio.db.leases import LeftLeases
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.domain.observation import PlatformKind, PlatformObservation, Source
@@ -138,6 +140,8 @@ class MediaWorker:
         self.http = http  # owned by the caller; used for downloads only
         self.config = config or MediaConfig()
         self.rng = rng or random.Random()  # jitter, not security
+        self.left = LeftLeases("media_end_leases")
+        """Runs the database interrupted; their leases end at the next claim (module doc)."""
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -164,13 +168,15 @@ class MediaWorker:
 
     async def run_once(self, limit: int | None = None) -> int:
         """Claim up to ``limit`` (default: concurrency) due operations, run them; return how
-        many were claimed. For tests and tools."""
+        many were claimed (after ending the leases the database left us). For tests and tools."""
+        await self.left.give_back(self.db)
         claims = await self.claim(limit or self.config.concurrency)
         await asyncio.gather(*(self.process(c) for c in claims))
         return len(claims)
 
     async def _claim_safely(self, limit: int) -> list[Claim]:
         try:
+            await self.left.give_back(self.db)
             claims = await self.claim(limit)
         except DatabaseUnavailable as exc:
             log(logger, logging.WARNING, "cannot claim media operations", error=str(exc))
@@ -196,8 +202,9 @@ class MediaWorker:
         except LeaseLost:
             MEDIA_RUNS.labels("lease_lost").inc()
             log(logger, logging.WARNING, "media lease lost", operation_id=str(claim.id))
-        except DatabaseUnavailable as exc:  # the verdict could not be written: the lease lapses
+        except DatabaseUnavailable as exc:  # no verdict written: the run is tried again
             log(logger, logging.WARNING, "media outcome not recorded", error=str(exc))
+            self.left.add(claim.id, claim.lease_token)
         except asyncio.CancelledError:
             if lease.lost:
                 current = asyncio.current_task()
@@ -227,9 +234,8 @@ class MediaWorker:
             await self._retry_or_fail(claim, exc)
         except StorageError as exc:
             await self._retry_or_fail(claim, TransientMediaError(f"object store: {exc}"))
-        except DatabaseUnavailable as exc:
-            with contextlib.suppress(DatabaseUnavailable):
-                await self._retry_or_fail(claim, TransientMediaError(f"database: {exc}"))
+        except DatabaseUnavailable:
+            raise  # not the operation's fault: process() hands it back once the database is back
         except Exception as exc:
             logger.exception("media run crashed", extra={"fields": {"operation_id": str(claim.id)}})
             await self._retry_or_fail(claim, TransientMediaError(f"bug: {type(exc).__name__}"))

@@ -14,9 +14,8 @@ demand in flight (re-read every ``stretch_refresh_s``) to the rate limits, so th
 targets intervals it can keep. A query failure never fails a task: after N consecutive ones the
 task becomes ``status_unknown``.
 
-A claimed attempt and the records of its query are in :mod:`aivedio.polling.claimed`, the
-breakers' part of a round in :mod:`aivedio.polling.breakers`, the stretch of a scope in
-:mod:`aivedio.polling.stretch`.
+Elsewhere: a claimed attempt and its query's records (:mod:`~aivedio.polling.claimed`), the
+breakers (:mod:`~aivedio.polling.breakers`), the stretch (:mod:`~aivedio.polling.stretch`).
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ import asyncpg
 import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge, Histogram
 
+from aivedio.db.leases import LeftLeases
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.domain.observation import PlatformKind, PlatformObservation, Source
@@ -133,6 +133,7 @@ class Poller:
         self._demand_at = -float("inf")
         self._budget = self.config.batch
         self._tasks: set[asyncio.Task[None]] = set()
+        self.left = LeftLeases("poll_end_leases")  # polls the database interrupted
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -161,6 +162,7 @@ class Poller:
         if free <= 0:
             await asyncio.wait(set(self._tasks), return_when=asyncio.FIRST_COMPLETED)
             return 0.0
+        await self.left.give_back(self.db)
         await self._refresh_demand()
         rows = await self._claim(min(free, self._budget))
         if not rows:
@@ -223,7 +225,12 @@ class Poller:
         if not give_back:
             return None
         self._budget = max(1, granted_total)
-        await self._release(give_back)
+        try:
+            await self._release(give_back)
+        except DatabaseUnavailable:
+            for row, _, _ in give_back:
+                self.left.add(row.attempt_id, row.token)
+            raise
         return min(wait for _, wait, _ in give_back)
 
     async def _release(self, rows: list[tuple[Claimed, float, str]]) -> None:
@@ -249,9 +256,9 @@ class Poller:
     async def _poll_guarded(self, row: Claimed, is_watched: bool) -> None:
         try:
             await self.poll(row, is_watched)
-        except DatabaseUnavailable as exc:
-            # The lease lapses and another round (or replica) polls it again.
+        except DatabaseUnavailable as exc:  # polled again once it is back (aivedio.db.leases)
             log(logger, logging.WARNING, "poll result not written", error=str(exc))
+            self.left.add(row.attempt_id, row.token)
         except Exception as exc:  # a bug must not kill the loop; the lease lapses
             log(
                 logger,

@@ -41,10 +41,12 @@ from typing import Any
 import asyncpg
 from prometheus_client import Counter, Histogram
 
+from aivedio.db.leases import LeftLeases
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.domain.observation import PlatformKind, PlatformObservation, Source
 from aivedio.domain.public import PUBLIC_ERRORS
+from aivedio.errors import DatabaseUnavailable
 from aivedio.logs import log, trace_id_var
 from aivedio.process.rounds import backoff, run_rounds
 from aivedio.providers.port import (
@@ -133,12 +135,15 @@ class Submitter:
         self.state = state
         self.adapters = adapters
         self.config = config or SubmitterConfig()
+        self.left = LeftLeases("submit_end_leases")
+        """Intents whose outcome the database kept us from writing (:mod:`aivedio.db.leases`)."""
 
     async def run(self, stopping: asyncio.Event) -> None:
         await run_rounds(stopping, self.run_once, self.config.idle_sleep_s, logger, "submitter")
 
     async def run_once(self) -> int:
         """Claim one batch and submit it; the number of intents handled."""
+        await self.left.give_back(self.db)
         token = uuid.uuid4()
         async with self.db.transaction() as conn:
             rows = await conn.fetch(
@@ -156,12 +161,20 @@ class Submitter:
     async def _handle(self, c: Claimed) -> None:
         trace_token = trace_id_var.set(c.trace_id)
         try:
-            await self._submit(c)
-        except Exception:
-            # A bug or a database error after the call: the create may exist; keep the key.
-            logger.exception("submit failed unexpectedly")
-            SUBMITS.labels(c.provider, "error").inc()
-            await self._retry(c, self._backoff(c), "internal_error", maybe_sent=True)
+            try:
+                await self._submit(c)
+            except DatabaseUnavailable:
+                raise
+            except Exception:
+                # A bug after the call: the create may exist; keep the key.
+                logger.exception("submit failed unexpectedly")
+                SUBMITS.labels(c.provider, "error").inc()
+                await self._retry(c, self._backoff(c), "internal_error", maybe_sent=True)
+        except DatabaseUnavailable:
+            # No outcome written: once the database is back the lease ends and the intent is
+            # claimed as one whose lease lapsed mid-send (same key again, or unknown).
+            self.left.add(c.attempt_id, c.token)
+            raise
         finally:
             trace_id_var.reset(trace_token)
 

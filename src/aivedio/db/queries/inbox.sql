@@ -150,3 +150,11 @@ SELECT EXISTS (
       AND (next_retry_at IS NULL OR next_retry_at <= now())
       AND (lease_until IS NULL OR lease_until < now())
 )
+
+-- name: inbox_end_leases
+-- Rows whose processing the database interrupted (aivedio.db.leases): claimable at once rather
+-- than when their lease runs out. Fenced by each row's token. $1 ids  $2 lease tokens
+UPDATE provider_callback_inbox i SET lease_until = NULL, lease_token = NULL
+FROM unnest($1::bigint[], $2::uuid[]) AS l (id, token)
+WHERE i.id = l.id AND i.lease_token = l.token
+  AND i.process_status IN ('pending', 'retry', 'orphan')

@@ -83,3 +83,10 @@ WHERE a.id = $1 AND a.project_id = $2 AND p.tenant_id = $3
 
 -- name: asset_storage
 SELECT id, storage_key, content_type, size_bytes FROM assets WHERE id = $1
+
+-- name: media_end_leases
+-- Runs the database interrupted (aivedio.db.leases): the next claim takes the operation as one
+-- whose lease ran out. Fenced by each run's token. $1 operation ids  $2 lease tokens
+UPDATE media_operations m SET lease_until = now(), updated_at = now()
+FROM unnest($1::uuid[], $2::uuid[]) AS l (id, token)
+WHERE m.id = l.id AND m.lease_token = l.token AND m.state = 'running'

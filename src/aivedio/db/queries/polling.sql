@@ -96,3 +96,10 @@ SELECT a.provider, a.model, t.tenant_id::text AS tenant, count(*) AS attempts,
 FROM task_attempts a JOIN generation_tasks t ON t.id = a.task_id
 WHERE a.next_poll_at IS NOT NULL AND a.provider_task_id IS NOT NULL
 GROUP BY 1, 2, 3
+
+-- name: poll_end_leases
+-- Polls whose result the database kept the poller from writing (aivedio.db.leases): due again
+-- now rather than when the lease runs out. Fenced by each lease's token. $1 attempt ids  $2 tokens
+UPDATE task_attempts a SET poll_lease_until = now()
+FROM unnest($1::uuid[], $2::uuid[]) AS l (id, token)
+WHERE a.id = l.id AND a.poll_lease_token = l.token

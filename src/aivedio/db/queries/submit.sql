@@ -116,3 +116,11 @@ SET state = $3, result = $4, lease_until = NULL, lease_token = NULL, last_error_
     updated_at = now()
 WHERE attempt_id = $1 AND lease_token = $2 AND state = 'sending'
 RETURNING attempt_id
+
+-- name: submit_end_leases
+-- Intents whose outcome the database kept the submitter from writing (aivedio.db.leases): their
+-- lease ends now and the next claim takes them as a lapsed 'sending' intent (the create may
+-- exist: same key again, or unknown). Fenced by each intent's token. $1 attempt ids  $2 tokens
+UPDATE submit_intents i SET lease_until = now(), updated_at = now()
+FROM unnest($1::uuid[], $2::uuid[]) AS l (id, token)
+WHERE i.attempt_id = l.id AND i.lease_token = l.token AND i.state = 'sending'
