@@ -213,3 +213,50 @@ async def test_media_stages_then_ready(db: Database) -> None:
     assert [e["task_version"] for e in events] == [1, 2, 4, 5, 6, 7]
     assert [tuple(a.values()) for a in audit] == [("applied", "no_public_change", 3)]
     assert (task["version"], task["last_event_id"]) == (7, 6)
+
+
+@pytest.mark.parametrize("batched", [False, True])
+async def test_a_webhook_pushes_the_next_poll_only_when_it_is_due_soon(
+    db: Database, batched: bool
+) -> None:
+    """A webhook moves next_poll_at (indexed) out to 30 s only when the poll is due within 15 s;
+    otherwise the attempt's update leaves every indexed column alone and is a HOT update (in
+    write_event and in the batch's write_events alike)."""
+    project = await make_project(db)
+    state = StateService(db)
+    _, soon = await make_task(store(db, state), project)
+    _, later = await make_task(store(db, state), project)
+    async with db.connection() as conn:
+        for attempt, due_s in ((soon, 5), (later, 25)):
+            await conn.execute(
+                "UPDATE task_attempts SET provider_task_id = $2,"
+                " next_poll_at = now() + make_interval(secs => $3) WHERE id = $1",
+                attempt,
+                f"gen_{attempt.hex[:8]}",
+                float(due_s),
+            )
+        planned = await conn.fetchval("SELECT next_poll_at FROM task_attempts WHERE id = $1", later)
+    steps = [
+        prov(attempt, ProviderStatus.RUNNING, progress=10 * n, provider_sequence=n)
+        for n in (1, 2, 3)
+        for attempt in (soon, later)
+    ]
+    async with db.transaction() as conn:
+        if batched:
+            results = await state.apply_many_in(conn, steps)
+        else:
+            results = [await state.apply_in(conn, obs) for obs in steps]
+        hot = await conn.fetchval(
+            "SELECT pg_stat_get_xact_tuples_hot_updated('task_attempts'::regclass)"
+        )
+        pushed = await conn.fetchval(  # now(): this transaction's start, the writes' too
+            "SELECT extract(epoch FROM next_poll_at - now())::float8 FROM task_attempts"
+            " WHERE id = $1",
+            soon,
+        )
+        kept = await conn.fetchval("SELECT next_poll_at FROM task_attempts WHERE id = $1", later)
+    assert [r.outcome for r in results] == [Outcome.APPLIED] * 6
+    assert pushed == 30.0 and kept == planned
+    # one update per attempt per statement: 6 one by one (5 of them HOT: all but the push),
+    # 2 in one batch (the later attempt's HOT)
+    assert hot == (5 if batched is False else 1)

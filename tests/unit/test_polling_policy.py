@@ -15,6 +15,7 @@ from aivedio.domain.statuses import Status
 from aivedio.polling.buckets import Bucket, Limit, take_all
 from aivedio.polling.config import RateLimitConfig, parse_limits
 from aivedio.polling.policy import (
+    WEBHOOK_PUSH_DUE_S,
     WEBHOOK_PUSH_S,
     Alert,
     AttemptFacts,
@@ -381,8 +382,13 @@ def test_parse_limits() -> None:
         parse_limits("global=fast")
 
 
-def test_webhook_push_matches_the_write_event_statement() -> None:
+def test_webhook_push_matches_the_write_event_statements() -> None:
     sql = (resources.files("aivedio.db") / "queries" / "state.sql").read_text()
-    match = re.search(r"now\(\) \+ interval '(\d+) seconds'", sql)
-    assert match is not None
-    assert float(match.group(1)) == WEBHOOK_PUSH_S
+    pushes = re.findall(
+        r"next_poll_at < now\(\) \+ interval '(\d+) seconds'"
+        r"\s+THEN now\(\) \+ interval '(\d+) seconds'",
+        sql,
+    )
+    assert [(float(due), float(out)) for due, out in pushes] == [
+        (WEBHOOK_PUSH_DUE_S, WEBHOOK_PUSH_S)
+    ] * 2  # write_event and write_events

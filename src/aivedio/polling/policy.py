@@ -21,8 +21,11 @@ from aivedio.domain.observation import ProviderStatus
 from aivedio.domain.statuses import Status
 
 WEBHOOK_PUSH_S = 30.0
-"""A webhook that changed an attempt pushes its next poll at least this far out (the
-``write_event`` statement in ``db/queries/state.sql`` holds the same figure)."""
+"""A webhook that changed an attempt whose next poll is due within ``WEBHOOK_PUSH_DUE_S`` pushes
+it this far out (the ``write_event(s)`` statements in ``db/queries/state.sql`` hold the same
+figures). So while webhooks come at least every 15 s a task is never polled, and a webhook
+leaves the indexed ``next_poll_at`` alone most of the time (a HOT update of the attempt)."""
+WEBHOOK_PUSH_DUE_S = 15.0
 
 
 class RandomSource(Protocol):
@@ -442,6 +445,7 @@ class Breaker:
 
 
 __all__ = [
+    "WEBHOOK_PUSH_DUE_S",
     "WEBHOOK_PUSH_S",
     "Alert",
     "AttemptFacts",

@@ -89,15 +89,17 @@ WITH stream AS (
     WHERE id = $2 AND version = $4 - 1
     RETURNING id
 ), attempt AS (
-    -- A webhook that changed something pushes the attempt's next poll out by the poller's
-    -- WEBHOOK_PUSH_S (aivedio.polling.policy; a test keeps the two equal); a finished task's
-    -- attempt is not polled again.
+    -- A webhook that changed something pushes the attempt's next poll out to the poller's
+    -- WEBHOOK_PUSH_S once it is due within WEBHOOK_PUSH_DUE_S (aivedio.polling.policy; a test
+    -- keeps the figures equal); a finished task's attempt is not polled again. Left alone
+    -- otherwise, next_poll_at (indexed) stays as it is, so most webhooks' attempt updates are
+    -- HOT: no new entry in any of task_attempts' five indexes.
     UPDATE task_attempts
     SET provider_status = $17, last_provider_seq = $18, last_provider_at = $19, updated_at = now(),
         next_poll_at = CASE
             WHEN $14::boolean THEN NULL
-            WHEN $6 = 'webhook' AND next_poll_at IS NOT NULL
-                THEN GREATEST(next_poll_at, now() + interval '30 seconds')
+            WHEN $6 = 'webhook' AND next_poll_at < now() + interval '15 seconds'
+                THEN now() + interval '30 seconds'
             ELSE next_poll_at
         END
     WHERE id = $3 AND $16::boolean
@@ -170,7 +172,7 @@ SELECT (SELECT id FROM audit) AS audit_id, (SELECT id FROM item) AS item_id
 --   version - 1, last_event_id its last public seq, the last non-NULL trace id);
 -- - an attempt takes the provider fields of its last event (the caller passes the batch's final
 --   values there) and next_poll_at as write_event's CASE applied event after event would leave
---   it (any terminal: NULL; else any webhook: pushed out by 30 seconds).
+--   it (any terminal: NULL; else any webhook: out to 30 seconds once due within 15).
 -- Returns one row per event, in order (seq and epoch null for a version that is not public).
 -- $1 project[]  $2 task[]  $3 attempt[]  $4 new version[]  $5 stored payload[]
 -- $6 source[]  $7 trace[]  $8 status[]  $9 stage[]  $10 progress[]
@@ -264,8 +266,8 @@ WITH input AS MATERIALIZED (
         last_provider_at = p.last_provider_at, updated_at = now(),
         next_poll_at = CASE
             WHEN p.any_terminal THEN NULL
-            WHEN p.any_webhook AND a.next_poll_at IS NOT NULL
-                THEN GREATEST(a.next_poll_at, now() + interval '30 seconds')
+            WHEN p.any_webhook AND a.next_poll_at < now() + interval '15 seconds'
+                THEN now() + interval '30 seconds'
             ELSE a.next_poll_at
         END
     FROM per_attempt p
