@@ -37,9 +37,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aivedio.admin import run_migrate
 from aivedio.config import Settings
 from aivedio.logs import log, setup_logging
 from aivedio.process.restart import RestartPolicy, consecutive_failures, restart_delay
+from aivedio.runtime import resolve_urls
 from aivedio.services import nats_cluster
 from aivedio.services.embedded import ServiceUrls
 
@@ -161,9 +163,6 @@ class Cluster:
 
     async def start(self) -> None:
         """Services, migrations, then every process; returns once all were launched."""
-        from aivedio.admin import run_migrate
-        from aivedio.runtime import resolve_urls
-
         self.folder.mkdir(parents=True, exist_ok=True)
         settings = self.settings.model_copy(update={"data_dir": self.config.data_dir.resolve()})
         nats_members: list[Member] = []

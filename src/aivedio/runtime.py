@@ -13,6 +13,7 @@ from aivedio.db.pool import Database
 from aivedio.db.wakeup import Signal
 from aivedio.errors import ConfigError
 from aivedio.process.health import Health
+from aivedio.services import embedded
 from aivedio.services.embedded import ServiceUrls
 from aivedio.state.service import StateService
 from aivedio.state.tasks import TaskStore
@@ -26,8 +27,6 @@ def resolve_urls(settings: Settings) -> ServiceUrls:
     """Configured URLs as they are; the embedded servers for the ones that are not set."""
     if settings.database_url and settings.redis_url and settings.nats_url:
         return ServiceUrls(settings.database_url, settings.redis_url, settings.nats_url)
-    from aivedio.services import embedded
-
     return embedded.up(settings.services)
 
 
