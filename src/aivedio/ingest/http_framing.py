@@ -23,7 +23,8 @@ how ``tests/unit/test_http_framing_vs_h11.py`` compares it with h11. The decisio
   a line feed; it is counted as it arrives, and the piece that passes the limit is 413.
 
 Keep-alive and ``Connection: close`` are not decided here (the protocol's job); the parser's
-:attr:`RequestFramer.keep_alive` is reported.
+:attr:`RequestFramer.keep_alive` is reported. The import-linter contract ``pure-framing`` keeps
+the event loop, sockets and logging out of this module.
 """
 
 from __future__ import annotations
@@ -306,8 +307,10 @@ class Framing:
     def _body(self, events: list[Event]) -> None:
         framer = self.framer
         parts = len(framer.body)
-        self._take(framer.read_body(self.buffer))
-        events.extend(Body(piece) for piece in framer.body[parts:])
+        try:
+            self._take(framer.read_body(self.buffer))
+        finally:  # the body as far as it was read, also before a refusal
+            events.extend(Body(piece) for piece in framer.body[parts:])
         if framer.complete:
             self.in_body = False
             events.append(End(self.offset, framer.headers[self.head_size :]))
