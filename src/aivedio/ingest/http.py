@@ -3,8 +3,8 @@
 :class:`CallbackServer` serves the same :class:`~aivedio.ingest.gateway.CallbackEndpoint` as the
 ASGI route, on the shared port: the sniffer of :mod:`aivedio.process.http_server` reads the request
 line of a connection and hands a ``POST /v1/callbacks/...`` to a :class:`CallbackProtocol`, which
-parses with ``httptools`` (llhttp) and calls the endpoint's transport-independent steps
-(``begin`` / ``finish``). What it does as the transport:
+frames requests with :mod:`aivedio.ingest.http_framing` and calls the endpoint's
+transport-independent steps (``begin`` / ``finish``). What it does as the transport:
 
 - keep-alive, and pipelined requests handled concurrently (their rows join one group commit) but
   answered in order; at most ``max_pipeline`` in flight per connection, then reading pauses;
@@ -23,10 +23,12 @@ parses with ``httptools`` (llhttp) and calls the endpoint's transport-independen
   handed back to the sniffer with its bytes once every callback before it was answered; the
   sniffer gives it to uvicorn's protocol or the SSE gateway, exactly as for a new connection.
 
-Message boundaries are found here, not by the parser, so a request handed back starts exactly
-where the previous one ended: a head ends at the first blank line, a ``Content-Length`` body after
-that many bytes, and a chunked body is fed to the parser a line at a time (it can only end just
-after a line feed).
+Message boundaries are found by :class:`~aivedio.ingest.http_framing.RequestFramer`, a pure
+module (bytes in, decisions out; httptools parses inside it), run here on the connection's
+buffer: a request handed back starts exactly where the previous one ended. The same code is
+checked against h11 on generated streams without a socket
+(``tests/unit/test_http_framing_vs_h11.py``) and, end to end, over one
+(``tests/integration/test_ingest_http_vs_h11.py``).
 """
 
 from __future__ import annotations
@@ -41,10 +43,9 @@ from email.utils import formatdate
 from typing import Any
 from urllib.parse import unquote
 
-import httptools
-
 from aivedio.ingest.gateway import CallbackEndpoint
 from aivedio.ingest.http_connection import CallbackConnection, Reply, Slot
+from aivedio.ingest.http_framing import NOT_OURS, Refused, RequestFramer
 from aivedio.ingest.messages import Answer, CallbackRequest
 from aivedio.logs import trace_id_var
 
@@ -124,7 +125,8 @@ class CallbackServer:
 
 class CallbackProtocol(CallbackConnection):
     """One connection on the lean callback path (see the module docstring): the reading of
-    requests and their route to the endpoint; the answering is :class:`CallbackConnection`'s."""
+    requests (framed by :class:`~aivedio.ingest.http_framing.RequestFramer`) and their route to
+    the endpoint; the answering is :class:`CallbackConnection`'s."""
 
     def __init__(
         self,
@@ -134,49 +136,8 @@ class CallbackProtocol(CallbackConnection):
         connections: set[Any] | None,
     ) -> None:
         super().__init__(server, transport, handback, connections)
-        self.parser = httptools.HttpRequestParser(self)
-        # the message being read
-        self.raw_headers: list[tuple[bytes, bytes]] = []
-        self.content_length = -1  # -1: none (then chunked, or no body)
-        self.other_coding = False  # a transfer coding other than chunked alone
-        self.expect_continue = False
-        self.trace_header: bytes | None = None
-        self.headers_done = False
-        self.body: list[bytes] = []
-        self.body_size = 0
-        self.remaining = 0  # of a Content-Length body
-        self.chunked = False
-        self.complete = False
+        self.framer = RequestFramer(server.head_limit, server.prefix, note=b"traceparent")
         self.head_started = False
-
-    # -- httptools callbacks ------------------------------------------------------------------
-
-    def on_url(self, url: bytes) -> None:
-        self.url += url
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.raw_headers.append((name, value))
-        if len(name) in (6, 11, 14, 17):  # expect, traceparent, content-length, transfer-encoding
-            lowered = name.lower()
-            if lowered == b"transfer-encoding":
-                self.other_coding = self.other_coding or value.strip().lower() != b"chunked"
-            elif lowered == b"content-length":
-                self.content_length = int(value)  # llhttp checked the digits
-            elif lowered == b"traceparent":
-                self.trace_header = value
-            elif lowered == b"expect":
-                self.expect_continue = value.lower() == b"100-continue"
-
-    def on_headers_complete(self) -> None:
-        self.headers_done = True
-        self.keep_alive = self.parser.should_keep_alive()
-
-    def on_body(self, body: bytes) -> None:
-        self.body_size += len(body)
-        self.body.append(body)
-
-    def on_message_complete(self) -> None:
-        self.complete = True
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -206,55 +167,23 @@ class CallbackProtocol(CallbackConnection):
             self.head_started = True
             self.started = self.loop.time()
         buffer = self.buffer
-        limit = self.server.head_limit
-        end = buffer.find(b"\r\n\r\n", 0, limit)
-        if end < 0:
-            if len(buffer) >= limit:
-                self._refuse_head(buffer)
+        framer = self.framer
+        try:
+            size = framer.read_head(buffer)
+        except Refused as refusal:  # 431, 400
+            self.url = framer.url
+            self._fail(refusal.status, self._provider_name())
             return False
-        line_end = buffer.find(b"\r\n")
-        parts = buffer[:line_end].split(b" ")
-        if len(parts) != 3 or not parts[1].startswith(self.server.prefix):
-            self._hand_back()
+        if size <= 0:
+            if size == NOT_OURS:
+                self._hand_back()
             return False
         self.head_started = False
-        head = buffer[: end + 4]
-        self.buffer = buffer[end + 4 :]
-        self._reset_message()
-        if not self._feed(head):
-            return False
-        if not self.headers_done:  # our blank line is not the parser's end of the head
-            self._fail(400, self._provider_name())
-            return False
-        if self.other_coding:  # framing we would not decode (RFC 9112 6.1): refused, as h11 does
-            self._fail(400, self._provider_name())
-            return False
+        self.buffer = buffer[size:]
+        self.url = framer.url
+        self.keep_alive = framer.keep_alive
         self._begin()
         return not self.closing
-
-    def _reset_message(self) -> None:
-        self.url = b""
-        self.raw_headers = []
-        self.content_length = -1
-        self.other_coding = False
-        self.expect_continue = False
-        self.trace_header = None
-        self.headers_done = False
-        self.body = []
-        self.body_size = 0
-        self.complete = False
-        self.request = None
-
-    def _feed(self, data: bytes) -> bool:
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._fail(400, self._provider_name())  # no protocol upgrades here
-            return False
-        except httptools.HttpParserError:
-            self._fail(400, self._provider_name())
-            return False
-        return True
 
     def _path(self) -> tuple[str, bytes]:
         path, _, query = self.url.partition(b"?")
@@ -265,11 +194,12 @@ class CallbackProtocol(CallbackConnection):
         return self._path()[0] if self.url.startswith(self.server.prefix) else ""
 
     def _begin(self) -> None:
+        framer = self.framer
         trace_id = self._trace_id()
         name, query = self._path()
-        method = self.parser.get_method().decode("ascii")
-        has_body = not self.complete
-        started = self.endpoint.begin(name, method, self.raw_headers, query, trace_id)
+        method = framer.method.decode("ascii")
+        has_body = not framer.complete
+        started = self.endpoint.begin(name, method, framer.headers, query, trace_id)
         if isinstance(started, Answer):
             if has_body and not started.close:  # its body is not read: the connection ends
                 started = Answer(started.status, started.headers, started.body, close=True)
@@ -278,11 +208,14 @@ class CallbackProtocol(CallbackConnection):
         if not has_body:
             self._submit(started, b"", method)
             return
+        try:
+            framer.start_body(started.max_body_bytes)
+        except Refused:  # 413 by Content-Length (which the endpoint's begin answers first)
+            self._answer_now(self.endpoint.abort(started, 413), trace_id, method)
+            return
         self.request = started
         self.reading_body = True
-        self.chunked = self.content_length < 0
-        self.remaining = self.content_length
-        if self.expect_continue and not self.pending:
+        if framer.expect_continue and not self.pending:
             self.transport.write(_CONTINUE)
 
     def _read_body(self) -> bool:
@@ -290,42 +223,29 @@ class CallbackProtocol(CallbackConnection):
         request = self.request
         assert request is not None
         buffer = self.buffer
-        if not self.chunked:
-            take = min(self.remaining, len(buffer))
-            piece, self.buffer = (
-                (buffer, b"")
-                if take == len(buffer)
-                else (
-                    buffer[:take],
-                    buffer[take:],
-                )
-            )
-            self.remaining -= take
-        else:  # a chunked body can only end just after a line feed: feed a line at a time
-            newline = buffer.find(b"\n")
-            cut = len(buffer) if newline < 0 else newline + 1
-            piece, self.buffer = buffer[:cut], buffer[cut:]
-        if not self._feed(piece):
-            return False
-        if self.body_size > request.max_body_bytes:  # stop here; the rest is never read
-            self.reading_body = False
+        framer = self.framer
+        try:
+            taken = framer.read_body(buffer)
+        except Refused as refusal:
+            if refusal.status != 413:
+                self._fail(refusal.status, request.provider.name)
+                return False
+            self.reading_body = False  # past the limit: the rest is never read
             self.request = None
             self._answer_now(self.endpoint.abort(request, 413), request.trace_id, "POST")
             return False
-        if not self.complete:
-            if not self.chunked and self.remaining == 0:
-                self._fail(400, request.provider.name)  # the parser disagrees on the length
-                return False
+        self.buffer = b"" if taken == len(buffer) else buffer[taken:]
+        if not framer.complete:
             return True
         self.reading_body = False
         self.request = None
-        body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
-        self._submit(request, body, "POST")
+        self._submit(request, framer.take_body(), "POST")
         return True
 
     def _trace_id(self) -> str:
-        if self.trace_header is not None:
-            match = _TRACEPARENT.match(self.trace_header)
+        trace_header = self.framer.noted
+        if trace_header is not None:
+            match = _TRACEPARENT.match(trace_header)
             if match:
                 return "trc_" + match.group(1).decode("ascii")
         return _new_trace_id()
@@ -356,11 +276,3 @@ class CallbackProtocol(CallbackConnection):
         self.request = None
         answer = self.endpoint.refuse(provider_name, status, trace_id)
         self._answer_now(answer, trace_id, "")
-
-    def _refuse_head(self, buffer: bytes) -> None:
-        line_end = buffer.find(b"\r\n", 0, self.server.head_limit)
-        target = buffer[:line_end].split(b" ")[1:2] if line_end >= 0 else []
-        self._reset_message()
-        if target:
-            self.url = target[0]
-        self._fail(431, self._provider_name())

@@ -2,8 +2,9 @@
 closing (with linger), the hand-back to the sniffer and the timers.
 
 :class:`CallbackConnection` is the base of :class:`aivedio.ingest.http.CallbackProtocol`, which
-reads the requests (httptools) and routes them to the endpoint; this module knows nothing of
-parsing. The one call down is :meth:`CallbackConnection._process`: take up buffered bytes.
+reads the requests (framed by :mod:`aivedio.ingest.http_framing`) and routes them to the
+endpoint; this module knows nothing of parsing. The one call down is
+:meth:`CallbackConnection._process`: take up buffered bytes.
 """
 
 from __future__ import annotations
