@@ -7,17 +7,14 @@ import asyncio
 from aivedio.client import Client
 from aivedio.domain.observation import ProviderStatus
 from tests.integration.test_gateway_harness import EnvFactory, collect, make_env, seqs
+from tests.waiting import eventually
 
 __all__ = ["make_env"]
 
 
 async def until_connected(client: Client) -> None:
-    for _ in range(500):
-        if client.connects:
-            await asyncio.sleep(0.2)  # the head is written; joining the stream takes a moment
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("never connected")
+    await eventually(lambda: client.connects, "the client to connect", 10)
+    await asyncio.sleep(0.2)  # the head is written; joining the stream takes a moment
 
 
 async def test_live_events_arrive_in_order_with_contract_frames(make_env: EnvFactory) -> None:
