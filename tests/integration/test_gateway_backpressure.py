@@ -42,7 +42,7 @@ async def test_stalled_client_is_evicted_while_others_keep_receiving(
     await healthy.snapshot()
     stream = healthy.connect_once()
     reader = asyncio.ensure_future(collect(stream, lambda fs: len(seqs(fs)) >= 300, timeout=60))
-    await asyncio.sleep(0.5)
+    await env.joined(2)  # the stalled one too
     for _ in range(300):
         await env.new_task()
     got = await reader

@@ -57,7 +57,7 @@ async def test_lost_messages_and_a_lost_last_event_still_arrive(make_env: EnvFac
     readers = [
         asyncio.ensure_future(collect(s, lambda fs: len(seqs(fs)) >= total)) for s in streams
     ]
-    await asyncio.sleep(0.5)
+    await env.joined(3)
     for _ in range(total):
         await env.new_task()
     results = await asyncio.gather(*readers)
@@ -74,7 +74,7 @@ async def test_killed_subscriber_connection_loses_nothing(make_env: EnvFactory) 
     await client.snapshot()
     stream = client.connect_once()
     reader = asyncio.ensure_future(collect(stream, lambda fs: len(seqs(fs)) >= 20, timeout=30))
-    await asyncio.sleep(0.5)
+    await env.joined(1)
     for _ in range(10):
         await env.new_task()
     await env.redis.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
@@ -94,7 +94,7 @@ async def test_no_redis_messages_at_all_still_delivers_by_tail_check(
     await client.snapshot()
     stream = client.connect_once()
     reader = asyncio.ensure_future(collect(stream, lambda fs: len(seqs(fs)) >= 3))
-    await asyncio.sleep(0.5)
+    await env.joined(1)
     for _ in range(3):
         await env.new_task()
     got = await reader

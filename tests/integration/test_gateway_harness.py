@@ -148,6 +148,15 @@ class Env:
     async def new_task(self, project: Project | None = None) -> tuple[uuid.UUID, uuid.UUID]:
         return await make_task(self.tasks, project or self.project)
 
+    async def joined(self, n: int) -> None:
+        """Wait until ``n`` connections have joined their project's stream (the gateway counts
+        a connection once it is in the hub, so what is committed next reaches it live)."""
+        await eventually(
+            lambda: self.gateway.connections >= n,
+            lambda: f"{n} connections joined (now {self.gateway.connections})",
+            10,
+        )
+
     async def provider(self, attempt_id: uuid.UUID, status: ProviderStatus, **kw: Any) -> None:
         await self.state.apply(
             ProviderObservation(

@@ -236,7 +236,7 @@ async def test_lost_redis_messages_are_repaired_for_websocket_clients(
     readers = [
         asyncio.ensure_future(collect(s, lambda fs: len(seqs(fs)) >= total)) for s in streams
     ]
-    await asyncio.sleep(0.5)
+    await env.joined(3)
     for _ in range(total):
         await env.new_task()
     for got in await asyncio.gather(*readers):
@@ -399,7 +399,7 @@ async def test_stalled_client_is_evicted_as_slow_while_another_keeps_receiving(
     await healthy.snapshot()
     stream = healthy.connect_once()
     reader = asyncio.ensure_future(collect(stream, lambda fs: len(seqs(fs)) >= 300, timeout=60))
-    await asyncio.sleep(0.5)
+    await env.joined(2)  # the stalled one too
     for _ in range(300):
         await env.new_task()
     got = await reader
