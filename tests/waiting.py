@@ -16,10 +16,16 @@ from typing import Any
 
 __all__ = ["eventually", "eventually_sync"]
 
+What = str | Callable[[], str]
+
+
+def _timed_out(what: What) -> AssertionError:
+    return AssertionError(f"timed out waiting for {what if isinstance(what, str) else what()}")
+
 
 async def eventually(
     check: Callable[[], Any],
-    what: str = "condition",
+    what: What = "condition",
     timeout: float = 30.0,
     *,
     interval: float = 0.02,
@@ -29,7 +35,8 @@ async def eventually(
 
     An exception of a type in ``ignoring`` counts as "not yet" (a server still starting refuses
     connections, a state file is not written yet); any other propagates at once.
-    Raises ``AssertionError("timed out waiting for <what>")`` after ``timeout`` seconds."""
+    Raises ``AssertionError("timed out waiting for <what>")`` after ``timeout`` seconds; ``what``
+    may be a callable, called then, to name the state that was reached (what came so far)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -41,13 +48,13 @@ async def eventually(
         if result:
             return result
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise _timed_out(what)
         await asyncio.sleep(interval)
 
 
 def eventually_sync(
     check: Callable[[], Any],
-    what: str = "condition",
+    what: What = "condition",
     timeout: float = 30.0,
     *,
     interval: float = 0.02,
@@ -64,5 +71,5 @@ def eventually_sync(
         if result:
             return result
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise _timed_out(what)
         time.sleep(interval)

@@ -9,6 +9,7 @@ import httpx
 
 from tests.browser.conftest import Stack, _run_aside, aivedio
 from tests.browser.test_browser import FAST, READY_WITHIN_MS, generate, open_page, wait_ready
+from tests.waiting import eventually_sync
 
 if TYPE_CHECKING:
     from playwright.sync_api import Page
@@ -48,12 +49,12 @@ def test_a_cursor_below_the_floor_resets_and_the_page_goes_on(
     earlier = str(created.json()["task"]["id"])
     task_url = f"{url}/{earlier}"
     auth = {"Authorization": f"Bearer {demo.api_key}"}
-    for _ in range(900):  # a bound, not a timing assertion: wait until the task is ready
-        if httpx.get(task_url, headers=auth).json()["task"]["status"] == "ready":
-            break
-        page.wait_for_timeout(100)
-    else:
-        raise AssertionError("the task did not reach ready")
+    eventually_sync(
+        lambda: httpx.get(task_url, headers=auth).json()["task"]["status"] == "ready",
+        "the task to reach ready",
+        90,
+        interval=0.1,
+    )
     cursor = str(httpx.get(task_url, headers=auth).json()["task"]["cursor"])
     epoch, head = cursor.split("-")
 

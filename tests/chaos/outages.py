@@ -14,7 +14,6 @@ import os
 import shutil
 import signal
 import tempfile
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -34,6 +33,7 @@ from aivedio.services import embedded
 from aivedio.services.embedded import ServiceUrls
 from tests.conftest import with_database
 from tests.integration.chain import serving_all_roles
+from tests.waiting import eventually_sync
 
 Kind = Literal["postgres", "valkey", "nats"]
 DEADLINE_S = 60.0  # only to fail instead of hanging; nothing is asserted about durations
@@ -81,10 +81,9 @@ class PrivateServers:
         pid = self.pid(kind)
         family = [pid, *_children(pid)]
         os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + DEADLINE_S
-        while any(_alive(p) for p in family):
-            assert time.monotonic() < deadline, f"{kind} did not go away"
-            time.sleep(0.02)
+        eventually_sync(
+            lambda: not any(_alive(p) for p in family), f"{kind} to go away", DEADLINE_S
+        )
 
     def restart(self, kind: Kind) -> None:
         """Start it again, in its data folder, on its port."""

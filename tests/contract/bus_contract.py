@@ -9,7 +9,6 @@ Every wait is bounded; nothing asserts how long something took.
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 
@@ -26,6 +25,7 @@ from aivedio.bus import (
     OutgoingMessage,
     PublishAck,
 )
+from tests.waiting import eventually
 
 BusFactory = Callable[[], Awaitable[Bus]]
 
@@ -57,11 +57,14 @@ def contract_config(url: str = "memory://") -> BusConfig:
 
 
 async def fetch_n(consumer: Consumer, n: int, *, within_s: float = 10.0) -> list[Delivery]:
-    """Fetch until ``n`` deliveries arrived or ``within_s`` passed (then return what came)."""
+    """Fetch until ``n`` deliveries arrived (failing if they did not within ``within_s``)."""
     got: list[Delivery] = []
-    deadline = time.monotonic() + within_s
-    while len(got) < n and time.monotonic() < deadline:
+
+    async def enough() -> bool:
         got.extend(await consumer.fetch(batch=n - len(got), timeout=0.5))
+        return len(got) >= n
+
+    await eventually(enough, f"{n} deliveries", within_s)
     return got
 
 
@@ -195,15 +198,17 @@ class BusContract:
         # the pull request it picked had just expired, which costs one more round; the Redis
         # Streams adapter's own test asserts the exact counts.
         counts: list[int] = []
-        letters: list[DeadLetter] = []
-        deadline = time.monotonic() + 4 * MAX_DELIVER * (1.5 * ACK_WAIT_S + 1) + 10
-        while not letters and time.monotonic() < deadline:
+
+        async def dead_lettered() -> list[DeadLetter]:
             for d in await consumer.fetch(batch=1, timeout=0.5):
                 assert d.dedup_id == "late-poison"
                 assert dict(d.headers) == {"trace-id": "t-1"}
                 counts.append(d.deliveries)
                 await d.nak(delay_s=1.5 * ACK_WAIT_S)
-            letters = await bus.dead_letters("g1")
+            return await bus.dead_letters("g1")
+
+        within_s = 4 * MAX_DELIVER * (1.5 * ACK_WAIT_S + 1) + 10
+        letters = await eventually(dead_lettered, "the dead letter of late-poison", within_s)
         assert counts[0] == 1
         assert counts[-1] == MAX_DELIVER, counts
         [letter] = letters
@@ -224,17 +229,17 @@ class BusContract:
         await bus.publish(TOPIC, "task-1", "w-1", b"x")
         [d1] = await fetch_n(consumer, 1)
         assert d1.deliveries == 1
+
         # No ack: the broker gives it out again after ack_wait. On a loaded machine a pull client
         # may also hand back a copy of the first delivery that reached an earlier, timed-out
         # pull request (same delivery count), and a redelivery may be counted for a pull the
         # client never saw (count 3): wait for a redelivery, whatever its exact count.
-        deadline = time.monotonic() + ACK_WAIT_S + 10
-        again: list[Delivery] = []
-        while not again and time.monotonic() < deadline:
-            fetched = await fetch_n(consumer, 1, within_s=1.0)
+        async def redelivered() -> list[Delivery]:
+            fetched = await consumer.fetch(batch=1, timeout=0.5)
             assert all(d.dedup_id == "w-1" for d in fetched)
-            again = [d for d in fetched if d.deliveries >= 2]
-        assert again, "never redelivered after ack_wait"
+            return [d for d in fetched if d.deliveries >= 2]
+
+        again = await eventually(redelivered, "a redelivery after ack_wait", ACK_WAIT_S + 10)
         await again[0].ack()
 
     async def test_in_progress_is_accepted(self, bus: Bus) -> None:
@@ -323,12 +328,15 @@ class BusContract:
         for i in range(n):
             await bus_a.publish(TOPIC, f"task-{i}", f"s-{i}", str(i).encode())
         seen: dict[str, list[str]] = {"a": [], "b": []}
-        deadline = time.monotonic() + 15
-        while len(seen["a"]) + len(seen["b"]) < n and time.monotonic() < deadline:
+
+        async def all_seen() -> bool:
             for name, consumer in (("a", a), ("b", b)):
                 for d in await consumer.fetch(batch=5, timeout=0.3):
                     seen[name].append(d.dedup_id)
                     await d.ack()
+            return len(seen["a"]) + len(seen["b"]) >= n
+
+        await eventually(all_seen, f"{n} messages between the two consumers", 15)
         everything = seen["a"] + seen["b"]
         assert sorted(everything) == sorted(f"s-{i}" for i in range(n))
         assert len(set(everything)) == n  # each message to exactly one consumer
@@ -351,10 +359,13 @@ class BusContract:
         consumers = await asyncio.gather(*(b.subscribe(TOPIC, "same") for b in buses))
         await buses[0].publish(TOPIC, "task-1", "c-1", b"x")
         got: list[Delivery] = []
-        deadline = time.monotonic() + 10
-        while not got and time.monotonic() < deadline:
+
+        async def delivered() -> bool:
             for c in consumers:
                 got.extend(await c.fetch(batch=1, timeout=0.2))
+            return bool(got)
+
+        await eventually(delivered, "a delivery to one of the consumers", 10)
         assert [d.dedup_id for d in got] == ["c-1"]
         await got[0].ack()
 

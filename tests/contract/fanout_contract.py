@@ -9,7 +9,6 @@ under its own ``prefix``. Every wait is bounded; nothing asserts how long someth
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -23,6 +22,7 @@ from aivedio.fanout import (
     Subscribed,
     Subscription,
 )
+from tests.waiting import eventually
 
 Drop = Callable[[], Awaitable[None]]
 
@@ -30,38 +30,46 @@ WITHIN_S = 10.0
 
 
 async def receive(sub: Subscription, n: int, *, within_s: float = WITHIN_S) -> list[Message]:
-    """The next ``n`` messages (skipping :class:`Subscribed`), or what came within ``within_s``."""
+    """The next ``n`` messages (skipping :class:`Subscribed`), which must come within
+    ``within_s``."""
     got: list[Message] = []
-    deadline = time.monotonic() + within_s
-    while len(got) < n and time.monotonic() < deadline:
+
+    async def enough() -> bool:
         event = await sub.next(timeout=0.2)
         if isinstance(event, Message):
             got.append(event)
+        return len(got) >= n
+
+    await eventually(enough, f"{n} messages", within_s)
     return got
 
 
 async def receive_until(sub: Subscription, marker: Message) -> list[Message]:
     """Every message up to and including ``marker`` (which must come within ``WITHIN_S``)."""
     got: list[Message] = []
-    deadline = time.monotonic() + WITHIN_S
-    while marker not in got:
-        assert time.monotonic() < deadline, f"{marker} never arrived; got {got}"
+
+    async def arrived() -> bool:
         event = await sub.next(timeout=0.2)
         if isinstance(event, Message):
             got.append(event)
+        return marker in got
+
+    await eventually(arrived, f"{marker}", WITHIN_S)
     return got
 
 
 async def subscribed(sub: Subscription, *channels: str) -> None:
     """Wait for the :class:`Subscribed` of each of ``channels`` (no message may come first)."""
     waiting = set(channels)
-    deadline = time.monotonic() + WITHIN_S
-    while waiting:
-        assert time.monotonic() < deadline, f"never subscribed to {sorted(waiting)}"
+
+    async def all_subscribed() -> bool:
         event = await sub.next(timeout=0.2)
         assert not isinstance(event, Message), f"a message before Subscribed: {event}"
         if isinstance(event, Subscribed):
             waiting.discard(event.channel)
+        return not waiting
+
+    await eventually(all_subscribed, f"Subscribed to {sorted(channels)}", WITHIN_S)
 
 
 class FanoutContract:
@@ -246,19 +254,20 @@ class FanoutContract:
         await sub.subscribe(a)
         await subscribed(sub, a)
         await drop()
-        deadline = time.monotonic() + WITHIN_S
-        again = False
-        while not again:
-            assert time.monotonic() < deadline, "never re-established after the drop"
+
+        async def again() -> bool:
+            nonlocal sub
             try:
                 event = await sub.next(timeout=0.2)
             except FanoutUnavailable:
                 await sub.close()
                 sub = subscriber.subscription()
                 await sub.subscribe(a)
-                continue
+                return False
             assert not isinstance(event, Message)
-            again = isinstance(event, Subscribed)
+            return isinstance(event, Subscribed)
+
+        await eventually(again, "the subscription re-established after the drop", WITHIN_S)
         try:
             await publisher.publish_many([(a, b"after the drop")])
             assert await receive(sub, 1) == [Message(a, b"after the drop")]

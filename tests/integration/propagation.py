@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -23,6 +22,7 @@ from aivedio.db.pool import Database
 from aivedio.domain.observation import ProviderObservation, ProviderStatus, Source
 from aivedio.domain.transitions import Outcome
 from aivedio.state.service import StateService
+from tests.waiting import eventually
 
 
 def bus_config(url: str, **overrides: Any) -> BusConfig:
@@ -117,11 +117,9 @@ class Subscriber:
         return [(m["task_id"], m["task_version"]) for m in self.received]
 
     async def wait_for(self, predicate: Callable[[], bool], timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out; received {len(self.received)} messages")
-            await asyncio.sleep(0.02)
+        await eventually(
+            predicate, lambda: f"the messages (received {len(self.received)})", timeout
+        )
 
 
 @contextlib.asynccontextmanager

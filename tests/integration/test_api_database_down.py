@@ -14,6 +14,7 @@ from aivedio.db.pool import Database
 from aivedio.state.service import StateService
 from tests.integration.helpers import make_project, store
 from tests.proxy import TcpProxy
+from tests.waiting import eventually
 
 BODY = {"provider": "sandbox", "model": "m1", "prompt": "p", "params": {}}
 
@@ -66,12 +67,11 @@ async def test_database_down_answers_503_and_writes_nothing_partial(
             await proxy.start()
             for key, r in zip(keys[1:], results, strict=True):
                 if r.status_code == 503:  # the client retries with the same key
-                    for _ in range(20):
-                        retry = await post(key)
-                        if retry.status_code == 202:
-                            break
-                        await asyncio.sleep(0.2)
-                    assert retry.status_code == 202
+
+                    async def accepted(key: str = key) -> bool:
+                        return (await post(key)).status_code == 202
+
+                    await eventually(accepted, f"{key} accepted on a retry", 4, interval=0.2)
     finally:
         await proxy.cut()
         await cut_db.close()

@@ -8,7 +8,6 @@ import contextlib
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -17,12 +16,20 @@ import nats
 import nats.js.errors
 import pytest
 
-from aivedio.bus import Bus, BusConfig, BusError, BusUnavailable, OutgoingMessage, PublishAck
+from aivedio.bus import (
+    Bus,
+    BusConfig,
+    BusError,
+    BusUnavailable,
+    Delivery,
+    OutgoingMessage,
+    PublishAck,
+)
 from aivedio.bus.jetstream import JetStreamBus
 from aivedio.bus.jetstream_pipeline import PullFetcher, status_of
 from aivedio.bus.nats_internals import _header_lines, internals_enabled, public_api_only
 from tests.contract.bus_contract import BusContract, BusFactory, contract_config
-from tests.waiting import eventually
+from tests.waiting import eventually, eventually_sync
 
 
 async def _delete_streams(url: str, cfg: BusConfig) -> None:
@@ -202,13 +209,11 @@ class _Server:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return
-            time.sleep(0.05)
-        raise RuntimeError("nats-server did not start")
+        eventually_sync(self.listening, "nats-server to start", 10, interval=0.05)
+
+    def listening(self) -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", self.port)) == 0
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -250,20 +255,27 @@ async def test_server_restart_reports_unavailable_then_recovers(own_nats: _Serve
         assert isinstance(failed, BusUnavailable)
 
         own_nats.start()
-        deadline = time.monotonic() + 20
-        ack = None
-        while ack is None and time.monotonic() < deadline:
-            try:
-                ack = await bus.publish("task.status", "task-1", "after", b"after")
-            except BusUnavailable:
-                await asyncio.sleep(0.2)
+        ack = await eventually(
+            lambda: bus.publish("task.status", "task-1", "after", b"after"),
+            "a publish after the restart",
+            20,
+            interval=0.2,
+            ignoring=(BusUnavailable,),
+        )
         assert ack is not None
-        got = []
-        while len(got) < 2 and time.monotonic() < deadline:
-            try:
-                got.extend(await consumer.fetch(batch=10, timeout=0.5))
-            except BusUnavailable:
-                await asyncio.sleep(0.2)
+        got: list[Delivery] = []
+
+        async def two_fetched() -> bool:
+            got.extend(await consumer.fetch(batch=10, timeout=0.5))
+            return len(got) >= 2
+
+        await eventually(
+            two_fetched,
+            "two deliveries after the restart",
+            20,
+            interval=0.2,
+            ignoring=(BusUnavailable,),
+        )
         # The file-backed stream and the durable consumer survived the restart. "during" may or
         # may not have been stored (the server was gone; the caller got BusUnavailable and would
         # retry with the same dedup id), so it is not asserted either way.
@@ -305,12 +317,15 @@ async def test_fetch_returns_what_is_there_at_once_and_keeps_late_deliveries(
         await waiting
     await bus.publish("fetch.now", "k", "d3", b"3")
     late: list[bytes] = []
-    deadline = time.monotonic() + 5
-    while not late and time.monotonic() < deadline:
+
+    async def late_fetched() -> bool:
         for d in await consumer.fetch(10, timeout=0.5):
             assert d.deliveries == 1
             late.append(d.data)
             await d.ack()
+        return bool(late)
+
+    await eventually(late_fetched, "the late delivery", 5)
     assert late == [b"3"]
 
 

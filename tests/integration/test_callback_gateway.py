@@ -50,6 +50,7 @@ from aivedio.providers.verify import (
 )
 from tests.integration.test_api_database_down import via
 from tests.proxy import TcpProxy
+from tests.waiting import eventually
 
 SPEC_SECRET = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
 SPEC_ID = "msg_p5jXN8AQM9LWM0D4loKWxJek"
@@ -171,16 +172,15 @@ async def lean_server(app: Starlette, **options: Any) -> AsyncIterator[int]:
     serving = asyncio.create_task(
         serve_http(app, "127.0.0.1", port, None, stopping, "auto", **options)
     )
+
+    async def listening() -> bool:
+        assert not serving.done(), serving
+        _, probe = await asyncio.open_connection("127.0.0.1", port)
+        probe.close()
+        return True
+
     try:
-        for _ in range(500):
-            assert not serving.done(), serving
-            try:
-                _, probe = await asyncio.open_connection("127.0.0.1", port)
-            except OSError:
-                await asyncio.sleep(0.01)
-                continue
-            probe.close()
-            break
+        await eventually(listening, "the server to listen", 5, interval=0.01, ignoring=(OSError,))
         yield port
     finally:
         stopping.set()
@@ -612,12 +612,11 @@ async def test_database_cut_mid_run_never_answers_2xx_without_a_row(
             for msg_id, status in list(sent.items()):  # the provider retries what got a 503
                 if status == 503:
                     seq = int(msg_id.removeprefix("msg_"))
-                    for _ in range(30):
-                        _, status = await post(seq)
-                        if status == 204:
-                            break
-                        await asyncio.sleep(0.1)
-                    assert status == 204
+
+                    async def accepted(seq: int = seq) -> bool:
+                        return (await post(seq))[1] == 204
+
+                    await eventually(accepted, f"msg_{seq} accepted on a retry", 10, interval=0.1)
     finally:
         await writer.close()
         await proxy.cut()

@@ -68,7 +68,7 @@ async def test_stream_token_opens_the_stream(make_env: EnvFactory) -> None:
     await client.snapshot()
     stream = client.connect_once()
     reader = asyncio.ensure_future(collect(stream, lambda fs: len(seqs(fs)) >= 1))
-    await asyncio.sleep(0.3)
+    await env.joined(1)
     await env.new_task()
     assert seqs(await reader) == [1]
     await client.aclose()
@@ -106,7 +106,7 @@ async def test_revoking_the_key_closes_its_streams(
     await client.snapshot()
     stream = client.connect_once()
     reader = asyncio.ensure_future(collect(stream, lambda fs: any(f.event == "close" for f in fs)))
-    await asyncio.sleep(0.5)
+    await env.joined(1)
     async with env.db.connection() as conn:
         await conn.execute(
             "UPDATE api_keys SET revoked_at = now() WHERE tenant_id = $1", env.project.tenant_id

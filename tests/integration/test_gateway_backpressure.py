@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from tests.integration.test_gateway_harness import EnvFactory, collect, make_env, open_stalled, seqs
+from tests.waiting import eventually
 
 __all__ = ["make_env"]
 
@@ -41,15 +42,12 @@ async def test_stalled_client_is_evicted_while_others_keep_receiving(
     await healthy.snapshot()
     stream = healthy.connect_once()
     reader = asyncio.ensure_future(collect(stream, lambda fs: len(seqs(fs)) >= 300, timeout=60))
-    await asyncio.sleep(0.5)
+    await env.joined(2)  # the stalled one too
     for _ in range(300):
         await env.new_task()
     got = await reader
     assert seqs(got) == list(range(1, 301))
-    for _ in range(200):
-        if closes(caplog, "slow"):
-            break
-        await asyncio.sleep(0.05)
+    await eventually(lambda: closes(caplog, "slow"), "the slow close logged", 10)
     slow = closes(caplog, "slow")
     assert len(slow) == 1
     assert slow[0].fields["duration_s"] >= 0  # type: ignore[attr-defined]

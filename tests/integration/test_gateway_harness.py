@@ -24,6 +24,7 @@ from aivedio.process.http_server import serve_http
 from aivedio.state.service import StateService
 from aivedio.state.tasks import TaskStore
 from tests.integration.helpers import Project, make_project, make_task, store
+from tests.waiting import eventually
 
 SECRET = b"test-stream-token-secret-0123456789"
 
@@ -36,13 +37,13 @@ async def serve_gateway(
     stopping = asyncio.Event()
     server = asyncio.create_task(serve_http(app, "127.0.0.1", port, gateway, stopping))
     await asyncio.wait_for(gateway.wait_subscribed(), 10)
-    for _ in range(100):
-        try:
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            break
-        except OSError:
-            await asyncio.sleep(0.05)
+
+    async def listening() -> bool:
+        _, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.close()
+        return True
+
+    await eventually(listening, "the gateway to listen", 5, interval=0.05, ignoring=(OSError,))
     return port, stopping, server
 
 
@@ -146,6 +147,15 @@ class Env:
 
     async def new_task(self, project: Project | None = None) -> tuple[uuid.UUID, uuid.UUID]:
         return await make_task(self.tasks, project or self.project)
+
+    async def joined(self, n: int) -> None:
+        """Wait until ``n`` connections have joined their project's stream (the gateway counts
+        a connection once it is in the hub, so what is committed next reaches it live)."""
+        await eventually(
+            lambda: self.gateway.connections >= n,
+            lambda: f"{n} connections joined (now {self.gateway.connections})",
+            10,
+        )
 
     async def provider(self, attempt_id: uuid.UUID, status: ProviderStatus, **kw: Any) -> None:
         await self.state.apply(

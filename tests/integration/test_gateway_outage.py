@@ -8,6 +8,7 @@ import asyncio
 import uuid
 
 from tests.integration.test_gateway_harness import EnvFactory, make_env
+from tests.waiting import eventually
 
 __all__ = ["make_env"]
 
@@ -39,10 +40,8 @@ async def test_a_killed_stream_ends_without_goodbye_and_reconnects_are_refused(
     project = env.project
     reader, writer, head = await _open(env.base_url, str(project.project_id), project.api_key)
     assert head.startswith(b"HTTP/1.1 200")
-    for _ in range(200):  # joined once the gateway counts it
-        if env.gateway.connections:
-            break
-        await asyncio.sleep(0.02)
+    # joined once the gateway counts it
+    await eventually(lambda: env.gateway.connections, "the gateway to count the connection", 4)
     assert env.gateway.kill(uuid.UUID(str(project.project_id)), 30) == 1
     rest = await _read_to_eof(reader)
     assert b"event: close" not in rest  # cut, as a lost network would

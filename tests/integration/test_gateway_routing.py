@@ -30,7 +30,7 @@ from tests.integration.test_gateway_chaos import (
     routed_to,
 )
 from tests.integration.test_gateway_harness import Env, EnvFactory, make_env
-from tests.waiting import eventually
+from tests.waiting import eventually, eventually_sync
 
 __all__ = ["make_env"]
 
@@ -50,6 +50,17 @@ def prefix() -> str:
 # -- the registry and the router --------------------------------------------------------------
 
 
+async def announcements_heard(redis: Redis, prefix: str) -> None:
+    """Wait until a router's subscription to the route announcements is up (Redis counts it)."""
+    channel = routes_changed_channel(prefix)
+
+    async def subscribed() -> bool:
+        [(_, count)] = await redis.pubsub_numsub(channel)
+        return int(count) >= 1
+
+    await eventually(subscribed, "the announcement subscription", 10)
+
+
 async def test_a_registration_is_seen_by_the_router_at_once_and_a_leave_removes_it(
     redis: Redis, prefix: str
 ) -> None:
@@ -59,7 +70,7 @@ async def test_a_registration_is_seen_by_the_router_at_once_and_a_leave_removes_
     project = uuid.uuid4()
     async with running(router.run, routes.run):
         await asyncio.wait_for(router.ready.wait(), 5)
-        await asyncio.sleep(0.2)  # the announcement subscription is up
+        await announcements_heard(redis, prefix)
         assert router.channels(str(project)) == ()
         routes.add(project)
         await eventually(
@@ -84,15 +95,18 @@ async def test_a_router_started_later_reads_the_registry_and_shutdown_unregister
     for project in projects:
         routes.add(project)
     await eventually(lambda: routes.projects and not routes._dirty, "written")
-    await asyncio.sleep(0.1)
-    assert await redis.zcard(routes_key(prefix)) == 3
+
+    async def all_written() -> bool:
+        return await redis.zcard(routes_key(prefix)) == 3
+
+    await eventually(all_written, "the three routes in the registry")
 
     router = NodeRouter(redis, RouterConfig(prefix=prefix, refresh_s=3600))
     async with running(router.run):
         await asyncio.wait_for(router.ready.wait(), 5)
         for project in projects:
             assert router.channels(str(project)) == (node_channel(prefix, "node-b"),)
-        await asyncio.sleep(0.2)
+        await announcements_heard(redis, prefix)
         stopping.set()  # a graceful stop removes and announces every route of the node
         await asyncio.wait_for(job, 10)
         await eventually(
@@ -267,7 +281,7 @@ def test_settings_select_the_fanout() -> None:
 
 def test_the_router_map_follows_announcements_and_expiries() -> None:
     router = NodeRouter(Redis.from_url("redis://127.0.0.1:1/0"), RouterConfig(prefix="p"))
-    soon, later = int((time.time() + 0.2) * 1000), int((time.time() + 60) * 1000)
+    soon, later = int((time.time() + 1.0) * 1000), int((time.time() + 60) * 1000)
     router.apply(f"+proj-1:b {later}\n+proj-1:a {soon}\n+proj-2:a {later}")
     assert router.channels("proj-1") == ("p:node:a", "p:node:b")
     assert router.channels("proj-2") == ("p:node:a",)
@@ -276,7 +290,6 @@ def test_the_router_map_follows_announcements_and_expiries() -> None:
     router.apply("-proj-2:a")
     assert router.channels("proj-2") == ()
     assert router.channels("never-seen") == ()
-    time.sleep(0.25)
-    assert router.channels("proj-1") == ("p:node:b",)  # node a's entry lapsed
+    eventually_sync(lambda: router.channels("proj-1") == ("p:node:b",), "node a's entry to lapse")
     router.prune()
     assert set(router._nodes) == {"proj-1"} and set(router._cache) <= {"proj-1"}

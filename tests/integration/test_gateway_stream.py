@@ -4,20 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from aivedio.client import Client
 from aivedio.domain.observation import ProviderStatus
 from tests.integration.test_gateway_harness import EnvFactory, collect, make_env, seqs
 
 __all__ = ["make_env"]
-
-
-async def until_connected(client: Client) -> None:
-    for _ in range(500):
-        if client.connects:
-            await asyncio.sleep(0.2)  # the head is written; joining the stream takes a moment
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("never connected")
 
 
 async def test_live_events_arrive_in_order_with_contract_frames(make_env: EnvFactory) -> None:
@@ -120,7 +110,7 @@ async def test_a_one_second_task_is_not_missed_when_subscribed_first(
     first = asyncio.ensure_future(
         collect(frames, lambda fs: any(f.data.get("status") == "failed" for f in fs))
     )
-    await until_connected(client)
+    await env.joined(1)  # in the hub: what is committed next reaches it live
     _, attempt = await env.new_task()
     await env.provider(attempt, ProviderStatus.FAILED)
     got = await first

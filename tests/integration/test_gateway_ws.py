@@ -29,6 +29,7 @@ from tests.integration.test_gateway_harness import (
     open_stalled,
     seqs,
 )
+from tests.waiting import eventually
 
 __all__ = ["make_env"]
 
@@ -128,12 +129,12 @@ async def raw_handshake(env: Env, *headers: str, key: str | None = None) -> tupl
 
 async def delivered(env: Env, seq: int) -> None:
     """Wait (bounded) until the gateway's project stream has dispatched ``seq``."""
-    for _ in range(500):
+
+    def dispatched() -> bool:
         stream = env.gateway.hub.streams.get(env.project.project_id)
-        if stream is not None and stream.last >= seq:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"seq {seq} never reached the gateway")
+        return stream is not None and stream.last >= seq
+
+    await eventually(dispatched, f"seq {seq} to reach the gateway", 10)
 
 
 def bearer(env: Env) -> str:
@@ -235,7 +236,7 @@ async def test_lost_redis_messages_are_repaired_for_websocket_clients(
     readers = [
         asyncio.ensure_future(collect(s, lambda fs: len(seqs(fs)) >= total)) for s in streams
     ]
-    await asyncio.sleep(0.5)
+    await env.joined(3)
     for _ in range(total):
         await env.new_task()
     for got in await asyncio.gather(*readers):
@@ -316,10 +317,7 @@ async def test_a_missing_pong_closes_the_connection(
             break
     assert int.from_bytes(payload[:2], "big") == 4006 and payload[2:] == b"ping_timeout"
     assert pings >= 1
-    for _ in range(100):
-        if closes(caplog, "ping_timeout"):
-            break
-        await asyncio.sleep(0.05)
+    await eventually(lambda: closes(caplog, "ping_timeout"), "the ping_timeout close logged", 5)
     assert len(closes(caplog, "ping_timeout")) == 1
     raw.writer.close()
 
@@ -401,15 +399,12 @@ async def test_stalled_client_is_evicted_as_slow_while_another_keeps_receiving(
     await healthy.snapshot()
     stream = healthy.connect_once()
     reader = asyncio.ensure_future(collect(stream, lambda fs: len(seqs(fs)) >= 300, timeout=60))
-    await asyncio.sleep(0.5)
+    await env.joined(2)  # the stalled one too
     for _ in range(300):
         await env.new_task()
     got = await reader
     assert seqs(got) == list(range(1, 301))
-    for _ in range(200):
-        if closes(caplog, "slow"):
-            break
-        await asyncio.sleep(0.05)
+    await eventually(lambda: closes(caplog, "slow"), "the slow close logged", 10)
     slow = closes(caplog, "slow")
     assert len(slow) == 1 and slow[0].fields["transport"] == "ws"  # type: ignore[attr-defined]
     stalled.close()

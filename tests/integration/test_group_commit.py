@@ -22,6 +22,7 @@ from aivedio.ingest.inbox_batch import expire_processed_payloads
 from aivedio.ingest.inbox_row import InboxClosed, InboxError, InboxFull, InboxRow, Outcome
 from tests.integration.test_api_database_down import via
 from tests.proxy import TcpProxy
+from tests.waiting import eventually
 
 
 def row(key: str, provider: str = "sandbox", payload: object = None) -> InboxRow:
@@ -217,14 +218,14 @@ async def test_a_batch_that_loses_the_database_fails_every_waiter(
         assert all(isinstance(r, DatabaseUnavailable) for r in results), results
         # the writer survives the outage: once the database is back, rows commit again
         await proxy.start()
-        for _ in range(50):
-            try:
-                assert await writer.submit(row("after")) in (Outcome.NEW, Outcome.DUPLICATE)
-                break
-            except DatabaseUnavailable:
-                await asyncio.sleep(0.1)
-        else:
-            pytest.fail("the writer did not recover")
+
+        async def recovered() -> bool:
+            assert await writer.submit(row("after")) in (Outcome.NEW, Outcome.DUPLICATE)
+            return True
+
+        await eventually(
+            recovered, "the writer to recover", 5, interval=0.1, ignoring=(DatabaseUnavailable,)
+        )
     finally:
         await writer.close()
         await proxy.cut()

@@ -13,7 +13,7 @@ import json
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -40,6 +40,7 @@ from aivedio.sandbox import SandboxConfig, create_app
 from aivedio.state.service import ApplyResult, StateService
 from tests.integration.helpers import Project, make_project, make_task, store
 from tests.integration.test_sandbox_provider import free_socket, run_app
+from tests.waiting import eventually
 
 SECRET = "whsec_" + base64.b64encode(os.urandom(24)).decode()
 TOKEN_SECRET = os.urandom(32)
@@ -631,13 +632,15 @@ async def test_an_idle_processor_is_woken_by_the_notify_of_a_stored_callback(env
     stopping = asyncio.Event()
     job = asyncio.create_task(processor.run(stopping))
     try:
-        await wait_for(lambda: sleeping_on_the_idle_lock(env))
+        await eventually(
+            lambda: sleeping_on_the_idle_lock(env), "the processor asleep on the idle lock", 20
+        )
         await env.post_sandbox(generation("gen_w", "running", 2))  # another writer, no kick
 
         async def applied() -> bool:
             return await env.status(task_id) == "running"
 
-        await wait_for(applied)
+        await eventually(applied, "the callback applied", 20)
     finally:
         stopping.set()
         await job
@@ -656,7 +659,8 @@ async def test_a_kick_wakes_the_processor_when_it_cannot_listen(env: Env) -> Non
         async def asleep() -> bool:
             return processor.idle.waits > 0
 
-        await wait_for(asleep)  # without a listener: only a kick (or the poll) wakes it
+        # Without a listener: only a kick (or the poll) wakes it.
+        await eventually(asleep, "the processor asleep", 20)
         await env.post_sandbox(generation("gen_k", "running", 2))
         assert await env.status(task_id) == "created"
         processor.idle.kick()  # what the group commit of its process does after storing
@@ -664,7 +668,7 @@ async def test_a_kick_wakes_the_processor_when_it_cannot_listen(env: Env) -> Non
         async def applied() -> bool:
             return await env.status(task_id) == "running"
 
-        await wait_for(applied)
+        await eventually(applied, "the callback applied", 20)
     finally:
         stopping.set()
         await job
@@ -717,14 +721,6 @@ async def test_refetch_failure_is_retried(env: Env) -> None:
 
 
 # --- end to end against the real sandbox provider ---------------------------------------------
-
-
-async def wait_for(check: Callable[[], Awaitable[bool]], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out")
-        await asyncio.sleep(0.05)
 
 
 @contextlib.asynccontextmanager
@@ -794,7 +790,7 @@ async def test_end_to_end_with_the_real_sandbox_provider(env: Env) -> None:
         async def done() -> bool:
             return await env.status(task_id) == "provider_succeeded"
 
-        await wait_for(done)
+        await eventually(done, "the task provider_succeeded", 20)
 
         # chaos: duplicates, reordering, delays, forged copies, callbacks before the submit response
         chaos = {
@@ -809,7 +805,7 @@ async def test_end_to_end_with_the_real_sandbox_provider(env: Env) -> None:
         async def all_final() -> bool:
             return [await env.status(t) for t in task_ids] == [expected[o] for o in outcomes]
 
-        await wait_for(all_final, timeout=30.0)
+        await eventually(all_final, "every task final", 30)
         stats = (await admin.get("/_sandbox/stats")).json()
         assert stats["webhooks"].get("forged_accepted", 0) == 0
         assert stats["webhooks"].get("duplicated", 0) > 0

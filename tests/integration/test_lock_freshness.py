@@ -27,6 +27,7 @@ from aivedio.providers.port import SubmitResult
 from aivedio.state.service import ApplyResult, StateService
 from aivedio.submission.submitter import Claimed, Submitter
 from tests.integration.helpers import make_project, make_task, store
+from tests.waiting import eventually
 
 
 def webhook(attempt: uuid.UUID, status: ProviderStatus, seq: int) -> Observation:
@@ -61,12 +62,12 @@ async def race(
     async with db.transaction() as conn:
         await state.apply_in(conn, webhook(attempt, ProviderStatus.SUCCEEDED, 4))
         waiter = asyncio.create_task(late(state, webhook(attempt, ProviderStatus.RUNNING, 3)))
-        for _ in range(400):
-            if await waiting_for_a_lock(db):
-                break
-            await asyncio.sleep(0.01)
-        else:
-            raise AssertionError("the late writer never waited for the task's lock")
+        await eventually(
+            lambda: waiting_for_a_lock(db),
+            "the late writer to wait for the task's lock",
+            4,
+            interval=0.01,
+        )
     result = await waiter
     async with db.connection() as conn:
         row = await conn.fetchrow(
@@ -123,12 +124,12 @@ async def test_a_submit_response_and_a_webhook_of_one_attempt_do_not_deadlock(
         response = asyncio.create_task(
             submitter._accepted(claimed, SubmitResult(provider_task_id="gen_dl"))
         )
-        for _ in range(400):
-            if await waiting_for_a_lock(db):
-                break
-            await asyncio.sleep(0.01)
-        else:
-            raise AssertionError("the submit response never waited for the task's lock")
+        await eventually(
+            lambda: waiting_for_a_lock(db),
+            "the submit response to wait for the task's lock",
+            4,
+            interval=0.01,
+        )
         # ... then its event, which updates the attempt row
         await state.apply_in(conn, webhook(attempt, ProviderStatus.QUEUED, 1))
     await response  # a deadlock would have failed one of the two

@@ -91,11 +91,7 @@ async def sandbox() -> AsyncIterator[Sandbox]:
     )
     job = asyncio.create_task(server.serve(sockets=[sock]))
     try:
-        for _ in range(500):
-            if server.started:
-                break
-            await asyncio.sleep(0.02)
-        assert server.started
+        await eventually(lambda: server.started, "the sandbox server to start", 10)
         async with httpx.AsyncClient() as client:
             yield Sandbox(url, app.state.sandbox, client)
     finally:

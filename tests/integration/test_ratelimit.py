@@ -4,7 +4,6 @@ Redis goes away (through a TCP proxy the test cuts), the way back, and the inter
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
@@ -86,17 +85,21 @@ async def test_takes_from_all_four_buckets_or_none(redis: aioredis.Redis) -> Non
 
 
 async def test_many_replicas_never_take_more_than_burst_plus_rate(
-    redis_url: str,
+    redis: aioredis.Redis, redis_url: str
 ) -> None:
+    """Twelve racing callers on three connections take no more than the burst plus what
+    refilled, by Redis's own clock (the script's), from the shared provider bucket: exact token
+    arithmetic, whatever the scheduler did with the callers meanwhile."""
     cfg = limits(providers={"sandbox": Limit(50, 5)})
     clients = [client(redis_url) for _ in range(3)]
     limiters = [RateLimiter(c, cfg) for c in clients]
     granted = 0
-    start = time.monotonic()
+    seconds, micros = await redis.time()
+    before = seconds + micros / 1_000_000  # at or before the first take's clock
 
     async def hammer(limiter: RateLimiter) -> None:
         nonlocal granted
-        while time.monotonic() - start < 1.0:
+        for _ in range(25):
             grant = await limiter.take(SCOPE, 3)
             granted += grant.granted
             await asyncio.sleep(0.005 if grant.granted else min(grant.wait_s, 0.05))
@@ -106,8 +109,11 @@ async def test_many_replicas_never_take_more_than_burst_plus_rate(
     finally:
         for c in clients:
             await c.aclose()
-    elapsed = time.monotonic() - start
-    assert granted <= 5 + 50 * elapsed + 1
+    [provider_key] = [key for key, limit in limiters[0].levels(SCOPE) if limit == Limit(50, 5)]
+    left, stamp = (float(v or "nan") for v in await redis.hmget(provider_key, "t", "s"))
+    # Every grant took from this bucket; it held 5 at ``before`` and refilled 50/s up to
+    # ``stamp``, its last take (refill lost while it was full only lowers the sum).
+    assert granted + left <= 5 + 50 * (stamp - before) + 1e-3
     assert granted >= 5  # it does grant
 
 
@@ -125,13 +131,24 @@ async def test_a_429_hold_stops_every_replica(redis: aioredis.Redis, redis_url: 
         await other_client.aclose()
 
 
+class FakeClock:
+    """The limiter's clock (its local buckets, retries and heartbeats), moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 async def test_local_fallback_starts_empty_is_shared_and_recovers(
     redis_url: str, proxy: TcpProxy
 ) -> None:
-    cfg = limits(providers={"sandbox": Limit(60, 6)}, replicas=3)
+    cfg = limits(providers={"sandbox": Limit(60, 6)}, replicas=3, redis_retry_s=3600.0)
+    clock = FakeClock()
     r = client(proxied(redis_url, proxy))
     try:
-        limiter = RateLimiter(r, cfg)
+        limiter = RateLimiter(r, cfg, clock=clock)
         assert (await limiter.take(SCOPE, 1)).granted == 1
         assert limiter.mode == "redis"
         await proxy.cut()
@@ -139,16 +156,19 @@ async def test_local_fallback_starts_empty_is_shared_and_recovers(
         assert limiter.mode == "local"
         assert grant.granted == 0  # empty on the switch: no burst
         assert grant.wait_s == pytest.approx(3 / 60, rel=0.1)  # 1 token at 60/3 per second
-        start = time.monotonic()
-        total = 0
-        while time.monotonic() - start < 0.5:
+        # A third of 60/s, burst 2: half a second in steps of 10 ms refills 10 tokens ...
+        switched, total = clock.now, 0
+        for step in range(1, 51):
+            clock.now = switched + step / 100
             total += (await limiter.take(SCOPE, 5)).granted
-            await asyncio.sleep(0.01)
-        elapsed = time.monotonic() - start + 0.05
-        assert total <= 20 * elapsed + 2  # a third of 60/s, burst 2
+        assert total == 10
+        clock.now += 60  # ... and a minute without takes banks no more than the burst
+        assert (await limiter.take(SCOPE, 5)).granted == 2
+        assert limiter.mode == "local"  # no retry of Redis before redis_retry_s
         await proxy.start()  # Redis is back
 
         async def back_on_redis() -> bool:
+            clock.now += cfg.redis_retry_s  # the next try is due
             await limiter.take(SCOPE, 1)
             return limiter.mode == "redis"
 
@@ -158,26 +178,30 @@ async def test_local_fallback_starts_empty_is_shared_and_recovers(
 
 
 async def test_no_redis_at_all_is_local_mode(redis_url: str) -> None:
+    clock = FakeClock()
     r = aioredis.from_url("redis://127.0.0.1:1/0", socket_timeout=0.2, socket_connect_timeout=0.2)
     try:
-        limiter = RateLimiter(r, limits(providers={"sandbox": Limit(100, 5)}, replicas=2))
+        cfg = limits(providers={"sandbox": Limit(100, 5)}, replicas=2)
+        limiter = RateLimiter(r, cfg, clock=clock)
         assert (await limiter.take(SCOPE, 1)).granted == 0
         assert limiter.mode == "local"
-        await asyncio.sleep(0.1)
-        assert (await limiter.take(SCOPE, 10)).granted >= 1
+        clock.now += 0.1  # 5 tokens at 100/2 per second, more than the burst of 5/2
+        assert (await limiter.take(SCOPE, 10)).granted == 2
         assert limiter.divisor == 2
     finally:
         await r.aclose()
 
 
 async def test_replicas_seen_in_redis_widen_the_fallback_divisor(redis_url: str) -> None:
-    cfg = limits(replicas=1, heartbeat_s=0.05)
+    cfg = limits(replicas=1, heartbeat_s=5.0)  # a beat counts for 15 s
+    clock = FakeClock()
     clients = [client(redis_url) for _ in range(3)]
     try:
-        limiters = [RateLimiter(c, cfg) for c in clients]
+        limiters = [RateLimiter(c, cfg, clock=clock) for c in clients]
         for limiter in limiters:
             await limiter.take(SCOPE, 1)
-        await asyncio.sleep(0.06)
+        assert limiters[0].divisor == 1  # it beat first, alone
+        clock.now += cfg.heartbeat_s  # the next beat is due
         await limiters[0].take(SCOPE, 1)
         assert limiters[0].divisor == 3
     finally:

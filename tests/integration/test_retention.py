@@ -261,12 +261,13 @@ async def test_a_round_killed_while_it_detaches_loses_no_event_above_a_floor(
         stderr=asyncio.subprocess.DEVNULL,
     )
     try:
-        for _ in range(600):  # a bound: until the detach is under way (floors raised before)
+
+        async def detaching() -> list[str]:
             async with env.db.connection() as conn:
-                pending = [p.name for p in await list_partitions(conn) if p.detach_pending]
-            if pending:
-                break
-            await asyncio.sleep(0.05)
+                return [p.name for p in await list_partitions(conn) if p.detach_pending]
+
+        # until the detach is under way (floors raised before)
+        pending = await eventually(detaching, "the detach under way", 30, interval=0.05)
         assert pending == [old]
         assert await stream_row(env.db, env.project.project_id) == (epoch, head, 3)
         assert await holes_above_floor(env.db) == {}

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from aivedio.process.http_server import reuse_port_socket, serve_http
+from tests.waiting import eventually
 
 
 def _named_app(name: str) -> Any:
@@ -43,16 +44,17 @@ async def test_two_servers_share_one_port() -> None:
     ]
     try:
         answered: Counter[str] = Counter()
-        for _ in range(200):
+
+        async def served() -> bool:
             if any(s.done() for s in servers):
-                break
-            try:
-                for _ in range(40):  # a new connection each time: the kernel picks a listener
-                    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-                        answered[(await client.get("/")).text] += 1
-                break
-            except httpx.ConnectError:
-                await asyncio.sleep(0.02)  # not listening yet
+                return True  # the assert below names the error
+            for _ in range(40):  # a new connection each time: the kernel picks a listener
+                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+                    answered[(await client.get("/")).text] += 1
+            return True
+
+        # httpx.ConnectError: not listening yet
+        await eventually(served, "both servers to listen", 4, ignoring=(httpx.ConnectError,))
         assert not any(s.done() for s in servers), [s.exception() for s in servers if s.done()]
         assert sum(answered.values()) == 40
         assert set(answered) == {"first", "second"}, answered

@@ -50,6 +50,7 @@ class SessionEnv:
     base_url: str
     http: httpx.AsyncClient
     state: StateService
+    gateway: Gateway
 
     def tasks_url(self, project_id: uuid.UUID | None = None) -> str:
         return f"/v1/projects/{project_id or self.project.project_id}/tasks"
@@ -68,6 +69,10 @@ class SessionEnv:
 
     async def new_task(self) -> None:
         await make_task(store(self.db, self.state), self.project)
+
+    async def joined(self, n: int) -> None:
+        """Wait until ``n`` connections are in the gateway's hub (they see what comes next)."""
+        await eventually(lambda: self.gateway.connections >= n, f"{n} connections joined", 10)
 
 
 SessionEnvFactory = Callable[..., Awaitable[SessionEnv]]
@@ -102,7 +107,7 @@ async def make_session_env(db: Database, redis_url: str) -> AsyncIterator[Sessio
         no_jar = CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
         http = httpx.AsyncClient(base_url=base, timeout=15, cookies=no_jar)
         clients.append(http)
-        return SessionEnv(db, project, base, http, state)
+        return SessionEnv(db, project, base, http, state, gateway)
 
     yield factory
     for client in clients:
@@ -346,7 +351,7 @@ async def test_the_cookie_opens_sse_and_websocket(make_session_env: SessionEnvFa
     )
     ws = await open_ws(env, cookie(secret), origin=env.base_url)
     assert json.loads(await asyncio.wait_for(ws.recv(), 10))["type"] == "start"
-    await asyncio.sleep(0.3)
+    await env.joined(2)  # the SSE reader and the WebSocket
     await env.new_task()
     status, frames = await reader
     assert status == 200 and frames[-1].data["status"] == "queued"
@@ -385,7 +390,7 @@ async def test_a_stream_token_is_minted_with_the_cookie(
     reader = asyncio.ensure_future(
         sse_frames_token(env, token, url_headers, lambda fs: any(f.event == "close" for f in fs))
     )
-    await asyncio.sleep(0.5)
+    await env.joined(1)  # the token's stream is open
     revoked = await env.http.delete("/v1/sessions/current", headers=cookie(secret) | CSRF)
     assert revoked.status_code == 204
     status, frames = await reader
@@ -428,7 +433,7 @@ async def test_deleting_the_session_closes_its_sse_and_websocket_within_5_s(
     )
     ws = await open_ws(env, cookie(secret), origin=env.base_url)
     assert json.loads(await asyncio.wait_for(ws.recv(), 10))["type"] == "start"
-    await asyncio.sleep(0.5)
+    await env.joined(2)  # the SSE reader and the WebSocket
     # a foreign page's logout attempt (no CSRF header) is refused and changes nothing
     assert (
         await env.http.delete("/v1/sessions/current", headers=cookie(secret))
@@ -460,7 +465,7 @@ async def test_revoking_the_key_revokes_its_sessions_and_closes_their_streams(
     )
     ws = await open_ws(env, cookie(secret), origin=env.base_url)
     assert json.loads(await asyncio.wait_for(ws.recv(), 10))["type"] == "start"
-    await asyncio.sleep(0.5)
+    await env.joined(2)  # the SSE reader and the WebSocket
     async with env.db.connection() as conn:
         await conn.execute(
             "UPDATE api_keys SET revoked_at = now() WHERE tenant_id = $1", env.project.tenant_id

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import socket
 import uuid
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -29,6 +28,7 @@ from tests.conftest import with_database
 from tests.integration.helpers import store
 from tests.integration.test_api_database_down import via
 from tests.proxy import TcpProxy
+from tests.waiting import eventually
 
 DEADLINE_S = 30.0  # only to fail instead of hanging
 
@@ -78,12 +78,6 @@ async def readyz(base: str) -> httpx.Response:
         return await client.get(f"{base}/readyz")
 
 
-async def wait_for(check: Callable[[], Awaitable[bool]], what: str) -> None:
-    async with asyncio.timeout(DEADLINE_S):
-        while not await check():
-            await asyncio.sleep(0.02)
-
-
 async def test_a_failing_loop_is_restarted_while_the_process_serves_and_readyz_names_it(
     runtime: Runtime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -105,7 +99,7 @@ async def test_a_failing_loop_is_restarted_while_the_process_serves_and_readyz_n
                 return False
             return r.status_code == 503
 
-        await wait_for(names_it, "/readyz 503")
+        await eventually(names_it, "/readyz 503", DEADLINE_S)
         r = await readyz(base)
         body = r.json()
         assert body["status"] == "unavailable" and body["database"] == "ok"
@@ -121,7 +115,7 @@ async def test_a_failing_loop_is_restarted_while_the_process_serves_and_readyz_n
         async def ready() -> bool:
             return (await readyz(base)).status_code == 200
 
-        await wait_for(ready, "/readyz 200 once the loop runs again")
+        await eventually(ready, "/readyz 200 once the loop runs again", DEADLINE_S)
         assert (await readyz(base)).json() == {"status": "ready"}
         metrics = (await _get(base, "/metrics")).text
         assert 'aivedio_role_restarts_total{loop="worker",role="flaky"} 2.0' in metrics

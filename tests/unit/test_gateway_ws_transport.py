@@ -14,6 +14,7 @@ from aivedio.gateway.config import GatewayConfig
 from aivedio.gateway.session import Identity, Session
 from aivedio.gateway.websocket import WsTransport
 from tests.unit.test_gateway_ws_codec import KEY, client_frame
+from tests.waiting import eventually
 
 
 class FakeSocket(asyncio.Transport):
@@ -125,8 +126,7 @@ async def test_without_the_clients_close_frame_the_socket_is_aborted() -> None:
     ws, sock, _, session = opened()
     ws.upgrade(KEY)
     session.close(CloseReason.SESSION_EXPIRED)
-    await asyncio.sleep(0.3)
-    assert sock.aborted
+    await eventually(lambda: sock.aborted, "the socket aborted after the close timeout", 5)
 
 
 async def test_violations_close_with_rfc_codes() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 
 import pytest
 from prometheus_client import REGISTRY
@@ -14,6 +13,7 @@ from aivedio.process import health
 from aivedio.process.health import Health, LoopHealth, LoopState
 from aivedio.process.restart import RestartPolicy
 from aivedio.process.supervisor import supervise
+from tests.waiting import eventually
 
 FAST = RestartPolicy(first_s=0.001, cap_s=0.002, healthy_s=3600.0)
 DEADLINE_S = 10.0  # only to fail instead of hanging
@@ -26,12 +26,6 @@ def restarts(role: str, loop: str) -> float:
 
 def role_up(role: str, loop: str) -> float | None:
     return REGISTRY.get_sample_value("aivedio_role_up", {"role": role, "loop": loop})
-
-
-async def wait_for(condition: Callable[[], bool], what: str) -> None:
-    async with asyncio.timeout(DEADLINE_S):
-        while not condition():
-            await asyncio.sleep(0.001)
 
 
 async def test_a_failing_loop_is_logged_counted_and_restarted(
@@ -50,7 +44,7 @@ async def test_a_failing_loop_is_logged_counted_and_restarted(
 
     with caplog.at_level(logging.ERROR, logger="aivedio.process"):
         job = asyncio.create_task(supervise(unit, loop, stopping, FAST))
-        await wait_for(lambda: runs == 4, "the fourth run")
+        await eventually(lambda: runs == 4, "the fourth run", DEADLINE_S, interval=0.001)
     assert unit.state is LoopState.RUNNING
     assert unit.restarts == 3
     assert unit.error == "ConnectionResetError"
@@ -80,7 +74,7 @@ async def test_a_loop_that_ends_by_itself_is_restarted() -> None:
             await stop.wait()
 
     job = asyncio.create_task(supervise(unit, loop, stopping, FAST))
-    await wait_for(lambda: runs == 3, "the third run")
+    await eventually(lambda: runs == 3, "the third run", DEADLINE_S, interval=0.001)
     assert unit.restarts == 2 and unit.error == "ended by itself"
     stopping.set()
     await asyncio.wait_for(job, DEADLINE_S)
@@ -100,7 +94,9 @@ async def test_while_it_waits_to_restart_the_role_is_down() -> None:
 
     job = asyncio.create_task(supervise(unit, loop, stopping, slow))
     await asyncio.wait_for(failed.wait(), DEADLINE_S)
-    await wait_for(lambda: unit.state is LoopState.RESTARTING, "restarting")
+    await eventually(
+        lambda: unit.state is LoopState.RESTARTING, "restarting", DEADLINE_S, interval=0.001
+    )
     assert registry.roles_down() == ["t-down"]
     assert [u.loop for u in registry.down()] == ["worker"]
     assert other.state is LoopState.RUNNING
@@ -180,7 +176,7 @@ async def test_the_backoff_grows_in_a_crash_loop_and_resets_after_a_healthy_run(
     policy = RestartPolicy(first_s=0.001, cap_s=0.004, healthy_s=50.0, jitter=0.0)
     with caplog.at_level(logging.ERROR, logger="aivedio.process"):
         job = asyncio.create_task(supervise(unit, loop, stopping, policy, clock=clock))
-        await wait_for(lambda: runs == 6, "the sixth run")
+        await eventually(lambda: runs == 6, "the sixth run", DEADLINE_S, interval=0.001)
     stopping.set()
     await asyncio.wait_for(job, DEADLINE_S)
     logged = [
