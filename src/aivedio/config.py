@@ -152,6 +152,10 @@ class Settings(BaseSettings):
     # Leases: how long a claim keeps work away from the other replicas; a replica that dies or
     # freezes holding one delays that work by this much (aivedio chaos runs with short ones).
     inbox_lease_s: float = Field(default=60.0, gt=0)
+    # A signed terminal callback (succeeded / failed / canceled) applied only after the
+    # provider's own record confirms it (one query each): for a provider whose webhooks may
+    # contradict its record (the sandbox's contradictory_terminal chaos; aivedio chaos sets it).
+    inbox_confirm_terminals: bool = False
     poll_lease_s: float = Field(default=30.0, gt=0)
     submit_lease_s: float = Field(default=120.0, gt=0)
     cancel_lease_s: float = Field(default=60.0, gt=0)

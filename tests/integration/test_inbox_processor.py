@@ -725,7 +725,7 @@ async def test_refetch_failure_is_retried(env: Env) -> None:
 
 @contextlib.asynccontextmanager
 async def live_stack(
-    db: Database,
+    db: Database, config: InboxConfig | None = None
 ) -> AsyncIterator[tuple[SandboxAdapter, InboxProcessor, httpx.AsyncClient]]:
     """The sandbox provider and the gateway, each in uvicorn on a free port, plus a processor."""
     gateway_sock, sandbox_sock = free_socket(), free_socket()
@@ -743,7 +743,7 @@ async def live_stack(
     gateway_app = Starlette(routes=callback_routes(CallbackConfig(), {"sandbox": adapter}, writer))
     sandbox = await run_app(sandbox_app, sandbox_sock)
     gateway = await run_app(gateway_app, gateway_sock)
-    processor = InboxProcessor(db, StateService(db), {"sandbox": adapter})
+    processor = InboxProcessor(db, StateService(db), {"sandbox": adapter}, config)
     stopping = asyncio.Event()
     loop = asyncio.create_task(processor.run(stopping))
     admin = httpx.AsyncClient(base_url=sandbox_url, headers={"Authorization": "Bearer sk_e2e"})
@@ -814,6 +814,40 @@ async def test_end_to_end_with_the_real_sandbox_provider(env: Env) -> None:
             "SELECT process_status, count(*) FROM provider_callback_inbox GROUP BY 1"
         )
     assert {r["process_status"] for r in statuses} == {"processed"}
+
+
+@pytest.mark.parametrize("confirm", [False, True])
+async def test_a_terminal_that_contradicts_the_providers_record_is_confirmed_first(
+    env: Env, confirm: bool
+) -> None:
+    """The generation succeeded but its webhook was lost (webhooks off), and then the provider
+    signs a ``failed`` with the next sequence (its contradictory_terminal chaos). Believed as
+    it comes, the task fails; with ``confirm_terminals`` the processor asks for the record first
+    and the task follows it to ``provider_succeeded``."""
+    config = replace(FAST, confirm_terminals=confirm)
+    async with live_stack(env.db, config) as (adapter, _, admin):
+        await admin.put("/_sandbox/chaos", json={"webhooks_enabled": False})
+        task_id = await submit(env, adapter, "succeeded")
+        async with env.db.connection() as conn:
+            gen, crid = await conn.fetchrow(
+                "SELECT a.provider_task_id, a.client_request_id FROM task_attempts a"
+                " JOIN generation_tasks t ON t.current_attempt_id = a.id WHERE t.id = $1",
+                task_id,
+            )
+
+        async def record() -> dict[str, Any] | None:
+            found: dict[str, Any] = (await admin.get(f"/v1/generations/{gen}")).json()
+            return found if found["status"] == "succeeded" else None
+
+        stored = await eventually(record, "the generation succeeded")
+        contradiction = generation(gen, "failed", stored["sequence"] + 1, crid)
+        assert (await env.post_sandbox(contradiction)).status_code == 204
+
+        async def processed() -> bool:
+            return {r["process_status"] for r in await env.inbox()} == {"processed"}
+
+        await eventually(processed, "the callback processed")
+    assert await env.status(task_id) == ("provider_succeeded" if confirm else "failed")
 
 
 # --- handed over in memory (aivedio.db.handoff) ----------------------------------------------

@@ -45,6 +45,10 @@ CLUSTER_ENV = {
     "AIVEDIO_CANCEL_LEASE_S": "4",
     "AIVEDIO_MEDIA_LEASE_S": "4",
     "AIVEDIO_BUS_ACK_WAIT_S": "4",
+    # the sandbox's contradictory_terminal knob is on: a success webhook lost (drop_rate) and
+    # then a "failed" with the next sequence is the provider's word against its own record;
+    # the inbox asks for the record before applying a terminal
+    "AIVEDIO_INBOX_CONFIRM_TERMINALS": "1",
 }
 
 

@@ -38,12 +38,11 @@ Mapping
     gets its ``provider_task_id`` in the same transaction, is scheduled for polling, and its
     submit intent, if waiting for a retry, is accepted (the callback proves the provider took the
     submit, whose own response may never come).
-Unsigned providers (``needs_refetch_on_callback``, or ``payload_authenticated = false``)
-    The body is only a hint: the processor queries the job (``adapter.query``) by the id WE
+Unsigned providers (``needs_refetch_on_callback``, ``payload_authenticated = false``), and terminals
+    with ``confirm_terminals``: the body is only a hint: the processor queries the job by the id WE
     recorded for the attempt (the body's id only when we have none yet, and then the job must
-    echo the attempt's client_request_id) and applies the provider's answer. That observation
-    keeps ``source = webhook``: it was caused by the callback, and the state service orders it
-    like any other (sequence, successor table).
+    echo the attempt's client_request_id) and applies the provider's answer, with ``source =
+    webhook`` (the callback caused it; ordered like any other: sequence, successor table).
 Failures
     unmappable -> ``orphan`` with exponential backoff, ``dead`` after ``orphan_max_tries``;
     a payload the adapter cannot parse (or an unknown provider) -> ``retry`` with a redacted
@@ -73,7 +72,7 @@ from aivedio.db.leases import LeftLeases
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.db.wakeup import IdleListener, wait_any
-from aivedio.domain.observation import Source
+from aivedio.domain.observation import PROVIDER_TERMINAL, Source
 from aivedio.errors import DatabaseUnavailable
 from aivedio.ingest.prepare import (
     Attempts,
@@ -132,6 +131,8 @@ class InboxConfig:
     orphan_backoff_cap_s: float = 300.0
     parse_max_tries: int = 3
     parse_backoff_base_s: float = 5.0
+    confirm_terminals: bool = False
+    """A signed callback saying the job ended is applied as the provider's record says (a query)."""
     refetch_max_tries: int = 10
     refetch_backoff_base_s: float = 2.0
     backoff_cap_s: float = 600.0
@@ -161,8 +162,7 @@ class InboxProcessor:
         self.state = state
         self.adapters = dict(adapters)
         self.config = config or InboxConfig()
-        self.left = LeftLeases("inbox_end_leases")
-        """Rows the database interrupted; their leases end at the next round (aivedio.db.leases)."""
+        self.left = LeftLeases("inbox_end_leases")  # rows the database interrupted
         self.idle = IdleListener(
             db,
             channel=NOTIFY_CHANNEL,
@@ -331,7 +331,11 @@ class InboxProcessor:
         row, adapter, fields, claimed = item.row, item.adapter, item.fields, item.claimed
         attempt = attempts.resolve(fields, claimed)
         state = claimed
-        if adapter.needs_refetch_on_callback or not fields.payload_authenticated:
+        if (
+            adapter.needs_refetch_on_callback
+            or not fields.payload_authenticated
+            or (self.config.confirm_terminals and claimed.status in PROVIDER_TERMINAL)
+        ):
             state = await refetch(adapter, attempt, claimed)
         obs = state.observation(
             adapter.name,
@@ -419,8 +423,7 @@ class InboxProcessor:
             trace_id_var.reset(trace)
 
     def _left_for_later(self, rows: Sequence[InboxRecord], token: uuid.UUID) -> None:
-        """Rows the database kept from being processed: nothing of theirs was committed, and
-        their leases end at the next round the database answers (aivedio.db.leases)."""
+        """Rows the database kept from being processed: their leases end at the next round."""
         log(logger, logging.WARNING, "inbox rows left for later", rows=len(rows))
         for row in rows:
             self.left.add(row["id"], token)

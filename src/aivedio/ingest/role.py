@@ -44,7 +44,10 @@ async def inbox_role(rt: Runtime) -> RoleParts:
         rt.db,
         rt.state,
         adapters,
-        InboxConfig(lease_s=rt.settings.inbox_lease_s),
+        InboxConfig(
+            lease_s=rt.settings.inbox_lease_s,
+            confirm_terminals=rt.settings.inbox_confirm_terminals,
+        ),
         on_applied=rt.wakeups.outbox.fire,
         handoff=rt.wakeups.inbox_rows,
     )
