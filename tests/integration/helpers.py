@@ -85,3 +85,17 @@ async def database_behind_a_proxy(database_url: str) -> AsyncIterator[tuple[TcpP
     finally:
         await proxy.cut()
         await db.close()
+
+
+async def holds_advisory_lock(db: Database, key: int) -> bool:
+    """Whether a session of this database holds advisory lock ``key`` (an idle relay or inbox
+    processor sleeps on LISTEN holding its idle lock: what makes the triggers notify)."""
+    async with db.connection() as conn:
+        return bool(
+            await conn.fetchval(
+                "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory'"
+                " AND granted AND objid = $1 AND database = (SELECT oid FROM pg_database"
+                " WHERE datname = current_database()))",
+                key,
+            )
+        )

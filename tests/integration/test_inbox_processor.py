@@ -38,7 +38,7 @@ from aivedio.providers.registry import callback_providers, versioned
 from aivedio.providers.sandbox import SandboxAdapter
 from aivedio.sandbox import SandboxConfig, create_app
 from aivedio.state.service import ApplyResult, StateService
-from tests.integration.helpers import Project, make_project, make_task, store
+from tests.integration.helpers import Project, holds_advisory_lock, make_project, make_task, store
 from tests.integration.test_sandbox_provider import free_socket, run_app
 from tests.waiting import eventually
 
@@ -614,18 +614,6 @@ async def test_a_batch_that_lost_the_lease_of_some_rows_applies_none_of_them(env
 ASLEEP = replace(FAST, poll_s=300.0)  # a poll that never comes within a test: only a wake-up
 
 
-async def sleeping_on_the_idle_lock(env: Env) -> bool:
-    async with env.db.connection() as conn:
-        return bool(
-            await conn.fetchval(
-                "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory'"
-                " AND granted AND objid = $1 AND database = (SELECT oid FROM pg_database"
-                " WHERE datname = current_database()))",
-                IDLE_LOCK,
-            )
-        )
-
-
 async def test_an_idle_processor_is_woken_by_the_notify_of_a_stored_callback(env: Env) -> None:
     task_id, _, _ = await env.task(provider_task_id="gen_w")
     processor = env.processor(ASLEEP)
@@ -633,7 +621,9 @@ async def test_an_idle_processor_is_woken_by_the_notify_of_a_stored_callback(env
     job = asyncio.create_task(processor.run(stopping))
     try:
         await eventually(
-            lambda: sleeping_on_the_idle_lock(env), "the processor asleep on the idle lock", 20
+            lambda: holds_advisory_lock(env.db, IDLE_LOCK),
+            "the processor asleep on the idle lock",
+            20,
         )
         await env.post_sandbox(generation("gen_w", "running", 2))  # another writer, no kick
 
@@ -644,7 +634,7 @@ async def test_an_idle_processor_is_woken_by_the_notify_of_a_stored_callback(env
     finally:
         stopping.set()
         await job
-    assert not await sleeping_on_the_idle_lock(env)  # the listening session is gone
+    assert not await holds_advisory_lock(env.db, IDLE_LOCK)  # the listening session is gone
 
 
 async def test_a_kick_wakes_the_processor_when_it_cannot_listen(env: Env) -> None:

@@ -32,7 +32,7 @@ from aivedio.propagation.relay import (
     stamped,
 )
 from aivedio.state.service import StateService
-from tests.integration.helpers import make_project, make_task, store
+from tests.integration.helpers import holds_advisory_lock, make_project, make_task, store
 from tests.integration.propagation import (
     Subscriber,
     advance,
@@ -169,25 +169,12 @@ async def _true(value: bool) -> bool:
     return value
 
 
-async def asleep_on_listen(db: Database) -> bool:
-    """An idle relay LISTENs holding :data:`IDLE_LOCK` (what makes the trigger notify)."""
-    async with db.connection() as conn:
-        return bool(
-            await conn.fetchval(
-                "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory'"
-                " AND granted AND objid = $1 AND database = (SELECT oid FROM pg_database"
-                " WHERE datname = current_database()))",
-                IDLE_LOCK,
-            )
-        )
-
-
 async def test_idle_relay_is_woken_by_notify(db: Database, bus: Bus) -> None:
     # A poll interval far beyond the wait below: only the NOTIFY can wake it in time.
     relay = OutboxRelay(db, bus, RelayConfig(poll_interval_s=30.0))
     project = await make_project(db)
     async with running(relay.run):
-        await wait_until(lambda: asleep_on_listen(db), "the relay asleep on LISTEN")
+        await wait_until(lambda: holds_advisory_lock(db, IDLE_LOCK), "the relay asleep on LISTEN")
         await make_task(store(db), project)
 
         async def published() -> bool:
