@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
 from aivedio.db.pool import Database
+from aivedio.errors import DatabaseUnavailable
 from aivedio.providers.sandbox import SandboxAdapter
 from aivedio.state.service import StateService
 from aivedio.state.tasks import TaskStore
 from aivedio.submission.cancel import CancelWorker
 from aivedio.submission.config import CancelConfig, SubmitterConfig
 from aivedio.submission.submitter import Submitter
-from tests.integration.helpers import Project, make_project, make_task, store
+from tests.integration.helpers import (
+    Project,
+    database_behind_a_proxy,
+    make_project,
+    make_task,
+    store,
+)
 from tests.integration.sandbox_harness import (
     LONG,
     QUICK,
@@ -23,6 +31,7 @@ from tests.integration.sandbox_harness import (
     running_sandbox,
     task_row,
 )
+from tests.proxy import TcpProxy
 from tests.waiting import eventually
 
 
@@ -140,3 +149,44 @@ async def test_cancel_waits_while_the_submit_is_in_flight(
     intent = await cancel_intent(db, task_id)
     assert (intent["state"], intent["last_error_code"]) == ("pending", "submit_sending")
     assert (await task_row(db, task_id))["status"] == "cancel_requested"
+
+
+class CutAfterTheCancel:
+    """The sandbox adapter, but PostgreSQL goes away as the first cancel is answered."""
+
+    def __init__(self, inner: SandboxAdapter, proxy: TcpProxy) -> None:
+        self.inner = inner
+        self.proxy = proxy
+        self.cut = False
+
+    async def cancel(self, provider_task_id: str) -> Any:
+        answer = await self.inner.cancel(provider_task_id)
+        if not self.cut:
+            self.cut = True
+            await self.proxy.cut()
+        return answer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def test_a_cancel_the_database_kept_from_being_recorded_is_sent_again_once_it_is_back(
+    db: Database, database_url: str, project: Project, sandbox: Sandbox, adapter: SandboxAdapter
+) -> None:
+    tasks, submitter, _ = workers(db, adapter)
+    task_id, _ = await make_task(tasks, project, params={"sandbox": LONG})
+    await submitter.run_once()
+    assert await cancel(tasks, project, task_id) == "cancel_requested"
+    async with database_behind_a_proxy(database_url) as (proxy, cut_db):
+        cutting = CutAfterTheCancel(adapter, proxy)
+        config = CancelConfig(wait_submit_s=0.01, lease_s=600)
+        canceler = CancelWorker(cut_db, StateService(cut_db), {"sandbox": cutting}, config)  # type: ignore[dict-item]
+        with pytest.raises(DatabaseUnavailable):
+            await canceler.run_once()
+        assert (await cancel_intent(db, task_id))["state"] == "sending"
+        await proxy.start()  # back: the lease ends now, not in ten minutes
+        assert await canceler.run_once() == 1
+        assert len(canceler.left) == 0
+    assert (await task_row(db, task_id))["status"] == "canceled"
+    assert (await cancel_intent(db, task_id))["state"] == "done"
+    assert (await sandbox.stats())["requests"]["cancel"] == 2  # a cancel is idempotent

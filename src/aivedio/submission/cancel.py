@@ -28,10 +28,12 @@ from datetime import timedelta
 import asyncpg
 from prometheus_client import Counter
 
+from aivedio.db.leases import LeftLeases
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.domain.observation import PlatformKind, PlatformObservation, Source
 from aivedio.domain.statuses import Status
+from aivedio.errors import DatabaseUnavailable
 from aivedio.logs import log, trace_id_var
 from aivedio.process.rounds import backoff, run_rounds
 from aivedio.providers.port import AuthFailed, ProviderAdapter, ProviderError, Rejected, Unsupported
@@ -91,11 +93,13 @@ class CancelWorker:
         self.state = state
         self.adapters = adapters
         self.config = config or CancelConfig()
+        self.left = LeftLeases("cancel_end_leases")  # cancels the database interrupted
 
     async def run(self, stopping: asyncio.Event) -> None:
         await run_rounds(stopping, self.run_once, self.config.idle_sleep_s, logger, "cancel")
 
     async def run_once(self) -> int:
+        await self.left.give_back(self.db)
         token = uuid.uuid4()
         async with self.db.transaction() as conn:
             rows = await conn.fetch(
@@ -111,11 +115,17 @@ class CancelWorker:
     async def _handle(self, c: CancelClaim) -> None:
         trace_token = trace_id_var.set(c.trace_id)
         try:
-            await self._cancel(c)
-        except Exception:
-            logger.exception("cancel failed unexpectedly")
-            CANCELS.labels(c.provider, "retried").inc()
-            await self._retry(c, self._backoff(c), "internal_error")
+            try:
+                await self._cancel(c)
+            except DatabaseUnavailable:
+                raise
+            except Exception:
+                logger.exception("cancel failed unexpectedly")
+                CANCELS.labels(c.provider, "retried").inc()
+                await self._retry(c, self._backoff(c), "internal_error")
+        except DatabaseUnavailable:
+            self.left.add(c.attempt_id, c.token)  # its lease ends once the database is back
+            raise
         finally:
             trace_id_var.reset(trace_token)
 

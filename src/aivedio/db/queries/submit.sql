@@ -124,3 +124,11 @@ RETURNING attempt_id
 UPDATE submit_intents i SET lease_until = now(), updated_at = now()
 FROM unnest($1::uuid[], $2::uuid[]) AS l (id, token)
 WHERE i.attempt_id = l.id AND i.lease_token = l.token AND i.state = 'sending'
+
+-- name: cancel_end_leases
+-- Cancels whose outcome the database kept the cancel worker from writing (aivedio.db.leases):
+-- their lease ends now and the next claim sends the cancel again (a cancel is idempotent at the
+-- provider). Fenced by each intent's token. $1 attempt ids  $2 tokens
+UPDATE cancel_intents c SET lease_until = now(), updated_at = now()
+FROM unnest($1::uuid[], $2::uuid[]) AS l (id, token)
+WHERE c.attempt_id = l.id AND c.lease_token = l.token AND c.state = 'sending'
