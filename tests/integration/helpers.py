@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -99,3 +99,33 @@ async def holds_advisory_lock(db: Database, key: int) -> bool:
                 key,
             )
         )
+
+
+class CutAfter:
+    """``inner`` (an adapter, a store) with one method wrapped: once its first call that
+    ``when(*args)`` accepts has answered, ``proxy`` is cut: the caller holds an answer it can no
+    longer write to PostgreSQL. Everything else is ``inner``'s."""
+
+    def __init__(
+        self,
+        inner: Any,
+        method: str,
+        proxy: TcpProxy,
+        when: Callable[..., bool] = lambda *args: True,
+    ) -> None:
+        self._inner, self._method, self._proxy, self._when = inner, method, proxy, when
+        self.cut = False
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if name != self._method:
+            return attr
+
+        async def wrapped(*args: Any, **kwargs: Any) -> Any:
+            answer = await attr(*args, **kwargs)
+            if not self.cut and self._when(*args):
+                self.cut = True
+                await self._proxy.cut()
+            return answer
+
+        return wrapped

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 
@@ -17,6 +16,7 @@ from aivedio.submission.cancel import CancelWorker
 from aivedio.submission.config import CancelConfig, SubmitterConfig
 from aivedio.submission.submitter import Submitter
 from tests.integration.helpers import (
+    CutAfter,
     Project,
     database_behind_a_proxy,
     make_project,
@@ -31,7 +31,6 @@ from tests.integration.sandbox_harness import (
     running_sandbox,
     task_row,
 )
-from tests.proxy import TcpProxy
 from tests.waiting import eventually
 
 
@@ -151,25 +150,6 @@ async def test_cancel_waits_while_the_submit_is_in_flight(
     assert (await task_row(db, task_id))["status"] == "cancel_requested"
 
 
-class CutAfterTheCancel:
-    """The sandbox adapter, but PostgreSQL goes away as the first cancel is answered."""
-
-    def __init__(self, inner: SandboxAdapter, proxy: TcpProxy) -> None:
-        self.inner = inner
-        self.proxy = proxy
-        self.cut = False
-
-    async def cancel(self, provider_task_id: str) -> Any:
-        answer = await self.inner.cancel(provider_task_id)
-        if not self.cut:
-            self.cut = True
-            await self.proxy.cut()
-        return answer
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
 async def test_a_cancel_the_database_kept_from_being_recorded_is_sent_again_once_it_is_back(
     db: Database, database_url: str, project: Project, sandbox: Sandbox, adapter: SandboxAdapter
 ) -> None:
@@ -178,7 +158,7 @@ async def test_a_cancel_the_database_kept_from_being_recorded_is_sent_again_once
     await submitter.run_once()
     assert await cancel(tasks, project, task_id) == "cancel_requested"
     async with database_behind_a_proxy(database_url) as (proxy, cut_db):
-        cutting = CutAfterTheCancel(adapter, proxy)
+        cutting = CutAfter(adapter, "cancel", proxy)
         config = CancelConfig(wait_submit_s=0.01, lease_s=600)
         canceler = CancelWorker(cut_db, StateService(cut_db), {"sandbox": cutting}, config)  # type: ignore[dict-item]
         with pytest.raises(DatabaseUnavailable):

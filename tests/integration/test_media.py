@@ -54,6 +54,7 @@ from tests.integration.consumer_helpers import (
     running,
 )
 from tests.integration.helpers import (
+    CutAfter,
     Project,
     database_behind_a_proxy,
     make_project,
@@ -61,7 +62,6 @@ from tests.integration.helpers import (
     store,
 )
 from tests.integration.test_bus_jetstream import _delete_streams
-from tests.proxy import TcpProxy
 from tests.waiting import eventually
 
 API_KEY = "sk_media_test"
@@ -433,32 +433,12 @@ async def test_a_run_whose_lease_was_taken_over_writes_nothing(env: Env, tmp_pat
     assert (operation["state"], operation["tries"]) == ("succeeded", 2)
 
 
-@dataclass
-class CutAfterRendition:
-    """An object store that takes the database away once the first rendition is stored: the
-    run's next write (its ``publishing`` stage) meets the outage."""
-
-    inner: ObjectStore
-    proxy: TcpProxy
-    cut: bool = False
-
-    async def put(self, key: str, data: Any, content_type: str) -> ObjectInfo:
-        info = await self.inner.put(key, data, content_type)
-        if key.endswith(".mp4") and not self.cut:
-            self.cut = True
-            await self.proxy.cut()
-        return info
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
 async def test_a_run_the_database_interrupted_is_claimed_again_once_it_is_back(
     env: Env, database_url: str, tmp_path: Path
 ) -> None:
     task_id, _ = await env.queued()
     async with database_behind_a_proxy(database_url) as (proxy, cut_db):
-        cutting = CutAfterRendition(env.store, proxy)
+        cutting = CutAfter(env.store, "put", proxy, lambda key, *_: key.endswith(".mp4"))
         worker = MediaWorker(cut_db, StateService(cut_db), cutting, env.sandbox.locator(),  # type: ignore[arg-type]
                              env.sandbox.client, media_config(lease_s=600.0))  # fmt: skip
         (claim,) = await worker.claim(1)

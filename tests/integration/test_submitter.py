@@ -11,7 +11,6 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any
 
 import httpx
 import pytest
@@ -27,6 +26,7 @@ from aivedio.state.service import StateService
 from aivedio.submission.config import SubmitterConfig
 from aivedio.submission.submitter import Submitter
 from tests.integration.helpers import (
+    CutAfter,
     Project,
     database_behind_a_proxy,
     make_project,
@@ -42,7 +42,6 @@ from tests.integration.sandbox_harness import (
     running_sandbox,
     task_row,
 )
-from tests.proxy import TcpProxy
 from tests.waiting import eventually
 
 FAST = SubmitterConfig(backoff_base_s=0.01, backoff_cap_s=0.05, auth_backoff_s=300)
@@ -305,26 +304,6 @@ async def test_a_callback_before_the_submit_response_keeps_the_provider_task_id(
     assert [r["reason"] for r in reasons] == ["no_change"]
 
 
-class CutAfterTheCreate:
-    """The sandbox adapter, but PostgreSQL goes away as the first create is answered: the
-    submitter holds an answer it cannot write."""
-
-    def __init__(self, inner: ProviderAdapter, proxy: TcpProxy) -> None:
-        self.inner = inner
-        self.proxy = proxy
-        self.cut = False
-
-    async def submit(self, request: Any) -> Any:
-        result = await self.inner.submit(request)
-        if not self.cut:
-            self.cut = True
-            await self.proxy.cut()
-        return result
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
 async def test_an_outcome_the_database_kept_from_being_written_is_settled_once_it_is_back(
     db: Database, database_url: str, project: Project, sandbox: Sandbox
 ) -> None:
@@ -332,7 +311,7 @@ async def test_an_outcome_the_database_kept_from_being_written_is_settled_once_i
     adapter = sandbox.adapter()
     try:
         async with database_behind_a_proxy(database_url) as (proxy, cut_db):
-            cutting = CutAfterTheCreate(adapter, proxy)
+            cutting = CutAfter(adapter, "submit", proxy)
             worker = submitter(cut_db, cutting, replace(FAST, lease_s=600))  # type: ignore[arg-type]
             with pytest.raises(DatabaseUnavailable):
                 await worker.run_once()
