@@ -153,6 +153,32 @@ $$;
 CREATE TRIGGER trg_inbox_notify AFTER INSERT ON provider_callback_inbox
     FOR EACH STATEMENT EXECUTE FUNCTION aivedio_inbox_notify();
 
+-- The inbox claim (queries/inbox.sql): due rows by a plain index scan, found again by primary
+-- key; migration 0017 says why the planner may not choose a bitmap or a sequential scan here.
+CREATE FUNCTION aivedio_inbox_claim(batch integer, lease_s float8, token uuid)
+RETURNS SETOF provider_callback_inbox
+LANGUAGE plpgsql ROWS 10 SET enable_bitmapscan = off SET enable_seqscan = off AS $$
+BEGIN
+    RETURN QUERY
+    WITH due AS (
+        SELECT d.id FROM provider_callback_inbox d
+        WHERE d.process_status IN ('pending', 'retry', 'orphan')
+          AND (d.next_retry_at IS NULL OR d.next_retry_at <= now())
+          AND (d.lease_until IS NULL OR d.lease_until < now())
+        ORDER BY d.id
+        LIMIT batch
+        FOR UPDATE SKIP LOCKED
+    ), claimed AS (
+        UPDATE provider_callback_inbox AS i
+        SET lease_until = now() + make_interval(secs => lease_s), lease_token = token
+        FROM due
+        WHERE i.id = due.id
+        RETURNING i.*
+    )
+    SELECT * FROM claimed;
+END
+$$;
+
 -- Partitioned by day (migration 0012, which says why the keys are what they are); the
 -- partitions are made by aivedio_ensure_event_partitions and dropped by retention. Only what
 -- its readers read (migration 0016 says what went where).

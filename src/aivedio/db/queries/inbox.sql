@@ -2,23 +2,11 @@
 -- Claim up to $1 due rows for $2 seconds under lease token $3. SKIP LOCKED: concurrent
 -- processors take disjoint rows; a row whose lease passed (its processor died) is due again.
 -- $1 batch size  $2 lease seconds  $3 lease token
-WITH due AS (
-    SELECT id FROM provider_callback_inbox
-    WHERE process_status IN ('pending', 'retry', 'orphan')
-      AND (next_retry_at IS NULL OR next_retry_at <= now())
-      AND (lease_until IS NULL OR lease_until < now())
-    ORDER BY id
-    LIMIT $1
-    FOR UPDATE SKIP LOCKED
-)
-UPDATE provider_callback_inbox AS i
-SET lease_until = now() + make_interval(secs => $2), lease_token = $3
-FROM due
-WHERE i.id = due.id
-RETURNING i.id, i.provider, i.dedup_key, i.provider_event_id, i.provider_task_id,
-          i.client_request_id, i.provider_occurred_at, i.received_at, i.payload,
-          i.process_status, i.retry_count, i.event_type, i.attempt_id,
-          i.payload_authenticated, i.trace_id
+-- aivedio_inbox_claim (migration 0017 says why it is a function) locks, leases and returns them.
+SELECT id, provider, dedup_key, provider_event_id, provider_task_id, client_request_id,
+       provider_occurred_at, received_at, payload, process_status, retry_count, event_type,
+       attempt_id, payload_authenticated, trace_id
+FROM aivedio_inbox_claim($1, $2, $3)
 
 -- name: inbox_take_claimed
 -- The first statement of the apply transaction: the row, if still ours (token $2) and
@@ -84,19 +72,41 @@ RETURNING process_status, retry_count
 -- not per row): by attempt id ($1), by (provider, provider task id) ($2, $3), by (provider,
 -- client request id) ($4, $5), each by its unique index, with the task's project. The processor
 -- resolves each row from these: attempt id first, then provider task id, then client request id.
-SELECT a.id, a.provider, a.client_request_id, a.provider_task_id, t.project_id
-FROM task_attempts a JOIN generation_tasks t ON t.id = a.task_id
-WHERE a.id = ANY($1::uuid[])
-UNION
-SELECT a.id, a.provider, a.client_request_id, a.provider_task_id, t.project_id
-FROM unnest($2::text[], $3::text[]) AS k (provider, provider_task_id)
-JOIN task_attempts a ON a.provider = k.provider AND a.provider_task_id = k.provider_task_id
-JOIN generation_tasks t ON t.id = a.task_id
-UNION
-SELECT a.id, a.provider, a.client_request_id, a.provider_task_id, t.project_id
-FROM unnest($4::text[], $5::text[]) AS k (provider, client_request_id)
-JOIN task_attempts a ON a.provider = k.provider AND a.client_request_id = k.client_request_id
-JOIN generation_tasks t ON t.id = a.task_id
+-- Each key is one probe of its index (LATERAL ... LIMIT 1; as joins, the planner hashed a seq
+-- scan of task_attempts twice per claim while the table was small: 1 ms per claim of 43 rows
+-- in `bench e2e` with 1,000 tasks), and a client request id is not looked up when its attempt
+-- was found by provider task id already (it could only find that attempt again).
+WITH by_task AS (
+    SELECT a.id, a.provider, a.client_request_id, a.provider_task_id, a.task_id
+    FROM unnest($2::text[], $3::text[]) AS k (provider, provider_task_id)
+    CROSS JOIN LATERAL (
+        SELECT a.id, a.provider, a.client_request_id, a.provider_task_id, a.task_id
+        FROM task_attempts a
+        WHERE a.provider = k.provider AND a.provider_task_id = k.provider_task_id
+        LIMIT 1
+    ) a
+), by_request AS (
+    SELECT a.id, a.provider, a.client_request_id, a.provider_task_id, a.task_id
+    FROM unnest($4::text[], $5::text[]) AS k (provider, client_request_id)
+    CROSS JOIN LATERAL (
+        SELECT a.id, a.provider, a.client_request_id, a.provider_task_id, a.task_id
+        FROM task_attempts a
+        WHERE a.provider = k.provider AND a.client_request_id = k.client_request_id
+        LIMIT 1
+    ) a
+    WHERE NOT EXISTS (
+        SELECT 1 FROM by_task b
+        WHERE b.provider = k.provider AND b.client_request_id = k.client_request_id)
+), found AS (
+    SELECT a.id, a.provider, a.client_request_id, a.provider_task_id, a.task_id
+    FROM task_attempts a WHERE a.id = ANY($1::uuid[])
+    UNION
+    SELECT * FROM by_task
+    UNION
+    SELECT * FROM by_request
+)
+SELECT f.id, f.provider, f.client_request_id, f.provider_task_id, t.project_id
+FROM found f JOIN generation_tasks t ON t.id = f.task_id
 
 -- name: attempt_record_provider_task_ids
 -- Callbacks that arrived before the submit response taught attempts ($1) their provider's ids
