@@ -70,10 +70,29 @@ def _table(system: str, scenario: str, fig: ScenarioFigures, limit_ms: float) ->
         notes = _notes(s)
         if notes:
             print(f"  at {s.asked:g}/s: " + "; ".join(notes))
+    for s in fig.steps:
+        _print_statements(s)
     sat = saturation([s.rate_result() for s in fig.steps], limit_ms)
     print(f"  saturation (p99 <= {limit_ms:g} ms, nothing lost): {_f(sat or math.nan, 0)}/s")
     if fig.stopped:
         print(f"  ramp stopped: {fig.stopped}")
+
+
+def _print_statements(s: StepFigures) -> None:
+    """The step's statements by PostgreSQL execution time (when the server keeps them)."""
+    if not s.statements:
+        return
+    sent = max(s.sent, 1)
+    print(
+        f"  PostgreSQL statements at {s.asked:g}/s, the step and its drain "
+        "(pg_stat_statements, execution time only):"
+    )
+    print("    exec us/webhook  calls/webhook  rows/call  statement")
+    for st in s.statements:
+        print(
+            f"    {st.exec_ms * 1000 / sent:15.1f}  {st.calls / sent:13.3f}  "
+            f"{st.rows / max(st.calls, 1):9.1f}  {st.name}"
+        )
 
 
 def _notes(s: StepFigures) -> list[str]:
@@ -146,7 +165,15 @@ def _headline(fig: ScenarioFigures | None, rate: float, limit_ms: float) -> dict
         "stages_ms": {k: rounded(v["p50"]) for k, v in step.stages.items()},
         "stages_p99_ms": {k: rounded(v["p99"]) for k, v in step.stages.items()},
         "pg_write_xacts_per_event": _per_event(step.pg_write_xacts, step.sent),
+        "pg_exec_us_per_event": _statements(step),
     }
+
+
+def _statements(step: StepFigures) -> dict[str, float | None] | None:
+    """Execution microseconds per webhook by statement name (pg_stat_statements), if kept."""
+    if step.statements is None:
+        return None
+    return {st.name: rounded(st.exec_ms * 1000 / max(step.sent, 1), 1) for st in step.statements}
 
 
 def _per_event(count: int | None, sent: int) -> float | None:
@@ -185,6 +212,7 @@ def _steps(fig: ScenarioFigures) -> list[dict[str, Any]]:
             "lost_where": s.lost_where,
             "polls": s.polls,
             "pg_write_xacts_per_event": _per_event(s.pg_write_xacts, s.sent),
+            "pg_exec_us_per_event": _statements(s),
         }
         for s in fig.steps
     ]

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import asyncpg
 import httpx
 
+from aivedio.bench import pg_statements
 from aivedio.bench.common import percentile
 from aivedio.bench.e2e_clients import ClientsProcess, Frames, Stream
 from aivedio.bench.e2e_deploy import CpuMeter, chain_backlog
@@ -32,6 +33,7 @@ from aivedio.bench.e2e_schedule import (
     stage_samples,
     summary_ms,
 )
+from aivedio.bench.pg_statements import StatementFigures
 
 _STARTED = time.monotonic()
 
@@ -86,6 +88,7 @@ class StepFigures:
     cpu_s: dict[str, float] = field(default_factory=dict)
     polls: int = 0  # sandbox queries during the step (the poller)
     pg_write_xacts: int | None = None  # write transactions of the server: the step and its drain
+    statements: list[StatementFigures] | None = None  # pg_stat_statements: the step and its drain
     window_s: float = 0.0  # from the step's start to its CPU snapshot (its last frame)
     ignored: dict[str, int] = field(default_factory=dict)  # webhooks audited, not applied
     refused: dict[int, int] = field(default_factory=dict)  # final answers that were not 204
@@ -209,6 +212,7 @@ async def _step(
     await load.arm(step, knobs.points, knobs.settle_s)
     polls = await _polls(target)
     xacts = await _xacts(target)
+    statements = None if target.db is None else await pg_statements.snapshot(target.db)
     before = await target.meter.snapshot()
     start = time.time() + 0.2
     sent = await load.go(start, knobs.duration_s + knobs.settle_s + 120)
@@ -232,6 +236,10 @@ async def _step(
     after_xacts = await _xacts(target)
     if xacts is not None and after_xacts is not None:
         figures.pg_write_xacts = after_xacts - xacts
+    if statements is not None and target.db is not None:
+        after_statements = await pg_statements.snapshot(target.db)
+        if after_statements is not None:
+            figures.statements = pg_statements.between(statements, after_statements)
     frames = _merge(frames, await clients.collect())  # late ones still count as arrived
     await _figures(target, step, keys, sent, frames, figures, knobs.points)
     return figures

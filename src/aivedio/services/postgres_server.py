@@ -66,6 +66,12 @@ def _binary(name: str) -> Path:
     return bin_dir / name
 
 
+def _has_library(name: str) -> bool:
+    """Is the embedded installation's server library ``name`` there (``lib/<name>.so``)?"""
+    bin_dir = _bin_dir()
+    return bin_dir is not None and (bin_dir.parent / "lib" / f"{name}.so").is_file()
+
+
 def _owner() -> pwd.struct_passwd | None:
     """The OS user PostgreSQL runs as: None (ourselves) unless we are root."""
     if os.geteuid() != 0:
@@ -121,6 +127,8 @@ def _launch(folder: Path, port: int) -> int:
         "-c",
         f"max_connections={PG_MAX_CONNECTIONS}",
     ]
+    if _has_library("pg_stat_statements"):  # per-statement figures (aivedio bench e2e)
+        argv += ["-c", "shared_preload_libraries=pg_stat_statements"]
     return spawn_detached(argv, folder / "postgres.log", folder, owner)
 
 
