@@ -901,6 +901,32 @@ async def test_a_handoff_that_is_behind_sends_new_rows_to_the_table(
     assert await env.status(second) == "running" and await env.status(first) == "created"
 
 
+async def test_rows_stored_in_the_table_while_behind_are_claimed_at_the_next_round(
+    handed: tuple[Env, Handoff],
+) -> None:
+    env, handoff = handed
+    handoff.max_rows = 1
+    first, _, _ = await env.task(provider_task_id="gen_n1")
+    second, _, _ = await env.task(provider_task_id="gen_n2")
+    third, _, _ = await env.task(provider_task_id="gen_n3")
+    seen: list[int] = []
+    processor = InboxProcessor(
+        env.db,
+        CountingState(env.db, seen),
+        env.adapters,
+        replace(FAST, poll_s=3600.0),  # its own next look at the table: not in this test
+        handoff=handoff,
+    )
+    handoff.attach(FAST.lease_s)
+    await env.post_sandbox(generation("gen_n1", "running", 2))
+    assert await processor.process_once() == 1  # handed; the table was empty
+    await env.post_sandbox(generation("gen_n2", "running", 2))  # handed
+    await env.post_sandbox(generation("gen_n3", "running", 2))  # behind: to the table
+    assert await processor.process_once() == 2  # the handed row, then a claim of the other
+    assert [await env.status(t) for t in (first, second, third)] == ["running"] * 3
+    assert not handoff.claim_wanted()
+
+
 async def test_rows_of_a_detached_processor_stay_in_the_table(
     handed: tuple[Env, Handoff],
 ) -> None:

@@ -18,6 +18,11 @@ row another processor took over after the lease ran out is never applied twice.
 A producer leases rows only while a consumer is attached and keeping up: fewer than
 ``max_rows`` waiting, none for longer than ``max_wait_s``. A consumer that falls behind (a busy
 event loop, an outage) sends new rows the table's way, where any processor's claim finds them.
+The producer says so once they committed (:meth:`Handoff.stored_in_table`), and the consumer's
+next round claims (:meth:`Handoff.claim_wanted`) instead of waiting for its next look at the
+table: busy with handed rows, it looked only every ``poll_s`` (0.5 s), and in ``bench e2e``
+with two ``--role all`` processes the rows that went to the table while it was behind made a
+p99 of 500-540 ms at 500 webhooks/s.
 The bound on the wait matters beyond latency: rows handed to one process are out of reach of
 the others, so a process that lags would apply a task's callback after a later one that another
 process already applied (measured: with an unbounded queue and one process seconds behind under
@@ -47,6 +52,7 @@ class Handoff:
         self._lease_s = 0.0
         self._rows: deque[HandedRow] = deque()
         self._since: deque[float] = deque()  # when each row was put (monotonic)
+        self._in_table = False  # rows of this process went to the table since the last claim
 
     def attach(self, lease_s: float) -> uuid.UUID:
         """A consumer starts taking rows; the lease token the producer writes from now on."""
@@ -80,6 +86,16 @@ class Handoff:
         if token == self._token:
             self._rows.extend(rows)
             self._since.extend([time.monotonic()] * len(rows))
+
+    def stored_in_table(self) -> None:
+        """The producer committed rows without a lease (the consumer was behind, or none was
+        attached): the consumer's next round should claim them from the table."""
+        self._in_table = True
+
+    def claim_wanted(self) -> bool:
+        """Did rows go to the table since the last call? (Reading it clears it.)"""
+        wanted, self._in_table = self._in_table, False
+        return wanted
 
     def take(self, limit: int) -> tuple[uuid.UUID | None, list[HandedRow]]:
         """Up to ``limit`` rows, oldest first, with the token they are leased to."""

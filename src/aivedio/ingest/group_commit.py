@@ -324,11 +324,14 @@ class InboxWriter:
             return
         finally:
             INSERT_SECONDS.observe(time.perf_counter() - started)
-        if inserted and handoff is not None and lease is not None:
-            handoff.put(
-                lease[0],
-                [handed_row(first[key].row, inbox_id) for key, inbox_id in inserted.items()],
-            )
+        if inserted and handoff is not None:
+            if lease is not None:
+                handoff.put(
+                    lease[0],
+                    [handed_row(first[key].row, inbox_id) for key, inbox_id in inserted.items()],
+                )
+            else:
+                handoff.stored_in_table()
         if inserted and self._on_stored is not None:
             self._on_stored()
         committed = time.time()
@@ -353,6 +356,8 @@ class InboxWriter:
                 log(logger, logging.ERROR, "inbox row refused", sqlstate=exc.sqlstate)
                 failed[key] = InboxError("the callback could not be stored")
             else:
+                if inserted and self._handoff is not None:
+                    self._handoff.stored_in_table()
                 if inserted and self._on_stored is not None:
                     self._on_stored()
                 _settle(waiter, Outcome.NEW if key in inserted else Outcome.DUPLICATE)

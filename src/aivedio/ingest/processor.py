@@ -13,8 +13,9 @@ Handed over, no claim
     already leased to this processor and hands them over in memory (:mod:`aivedio.db.handoff`):
     they skip the claim's statement and its row update. The processor alternates a handed batch
     and a claim while the table has due rows (those stored while it was behind, retries, orphans,
-    other processes' rows), looks at the table at least every ``poll_s`` otherwise, and gives back
-    the leases of rows it never took when it stops.
+    other processes' rows), claims at once when its process stored rows in the table because it
+    was behind, looks at the table at least every ``poll_s`` otherwise, and gives back the
+    leases of rows it never took when it stops.
 One transaction per claim
     Each row is first prepared outside any transaction: normalized, mapped to its attempt (and
     the attempt's project: one statement for the whole claim, ``attempts_for_callbacks``),
@@ -218,7 +219,7 @@ class InboxProcessor:
             token, handed = handoff.take(self.config.batch_size)
             if token is not None and handed:
                 await self._process_rows(handed, token)
-            if time.monotonic() < self._claim_due:
+            if time.monotonic() < self._claim_due and not handoff.claim_wanted():
                 return len(handed)
         claimed = await self._claim_once()
         # A claim that found rows is followed by another at once, a batch handed over and a batch
