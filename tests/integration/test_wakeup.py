@@ -1,0 +1,97 @@
+"""The idle consumers' sleep (``aivedio.db.wakeup.IdleListener``) on real PostgreSQL: two
+consumers of one table, one asleep holding the idle lock, the other asleep beside it; kicks are
+never lost."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from aivedio.db.pool import Database
+from aivedio.db.queries import q
+from aivedio.db.wakeup import IdleListener
+from aivedio.ingest.processor import IDLE_LOCK, NOTIFY_CHANNEL
+from tests.integration.helpers import holds_advisory_lock
+from tests.waiting import eventually
+
+
+def listener(db: Database) -> IdleListener:
+    return IdleListener(
+        db,
+        channel=NOTIFY_CHANNEL,
+        lock_key=IDLE_LOCK,
+        has_work_sql=q("inbox_has_work"),
+        poll_s=3600.0,  # the safety-net poll never ends a sleep in these tests
+        name="test",
+    )
+
+
+@pytest.fixture
+async def pair(db: Database) -> AsyncIterator[tuple[IdleListener, IdleListener]]:
+    first, second = listener(db), listener(db)
+    try:
+        yield first, second
+    finally:
+        await first.close()
+        await second.close()
+
+
+async def asleep(consumer: IdleListener, stopping: asyncio.Event) -> asyncio.Task[None]:
+    job = asyncio.create_task(consumer.sleep(stopping))
+    waits = consumer.waits
+
+    def waiting() -> bool:
+        if job.done():
+            job.result()  # a sleep that ended (or failed) on its own: say so
+            raise AssertionError("the sleep ended before anything woke it")
+        return consumer.waits > waits
+
+    await eventually(waiting, "the consumer waiting for a wake-up", 20)
+    return job
+
+
+async def test_a_kick_wakes_the_consumer_that_sleeps_beside_the_lock_holder(
+    db: Database, pair: tuple[IdleListener, IdleListener]
+) -> None:
+    holder, beside = pair
+    stopping = asyncio.Event()
+    holding = await asleep(holder, stopping)
+    assert await holds_advisory_lock(db, IDLE_LOCK)
+    waiting = await asleep(beside, stopping)  # it could not take the lock: it sleeps anyway
+    beside.kick()  # what the group commit of its process does after handing it rows
+    await eventually(waiting.done, "the kicked consumer awake", 20)
+    assert not holding.done()
+    stopping.set()
+    await asyncio.gather(holding, waiting)
+
+
+async def test_both_sleepers_get_the_notification_of_another_process_s_write(
+    db: Database, pair: tuple[IdleListener, IdleListener]
+) -> None:
+    holder, beside = pair
+    stopping = asyncio.Event()
+    holding = await asleep(holder, stopping)
+    waiting = await asleep(beside, stopping)
+    async with db.connection() as conn:  # a callback stored by another process: no kick
+        await conn.execute(
+            "INSERT INTO provider_callback_inbox (provider, dedup_key, payload_hash)"
+            " VALUES ('sandbox', 'k1', '\\x00')"
+        )
+    await eventually(lambda: holding.done() and waiting.done(), "both consumers awake", 20)
+    await asyncio.gather(holding, waiting)
+
+
+async def test_a_kick_before_the_sleep_is_not_lost(
+    pair: tuple[IdleListener, IdleListener],
+) -> None:
+    consumer, _ = pair
+    consumer.kick()  # work committed while the consumer was looking for work
+    # Returns at once (poll_s is an hour; the bound only names a hang as a failure).
+    await asyncio.wait_for(consumer.sleep(asyncio.Event()), 20)
+    assert consumer.waits == 0
+    stopping = asyncio.Event()
+    job = await asleep(consumer, stopping)  # the kick counted once: now it sleeps
+    stopping.set()
+    await job
