@@ -12,10 +12,9 @@ Handed over, no claim
     In a process that also runs the callbacks role, the group commit stores new callbacks
     already leased to this processor and hands them over in memory (:mod:`aivedio.db.handoff`):
     they skip the claim's statement and its row update. The processor alternates a handed batch
-    and a claim while the table has due rows (those stored while it was behind, retries, orphans,
-    other processes' rows), claims at once when its process stored rows in the table because it
-    was behind, looks at the table at least every ``poll_s`` otherwise, and gives back the
-    leases of rows it never took when it stops.
+    and a claim while the table has due rows (retries, orphans, other processes' rows, and rows
+    stored there while it was behind: claimed at its next round), looks at the table at least
+    every ``poll_s`` otherwise, and gives back the leases of rows it never took when it stops.
 One transaction per claim
     Each row is first prepared outside any transaction: normalized, mapped to its attempt (and
     the attempt's project: one statement for the whole claim, ``attempts_for_callbacks``),
