@@ -12,9 +12,10 @@ PostgreSQL write transactions per event from an ``aivedio bench e2e`` JSON line 
 (``connections=FILE``) and frames per second of one gateway process from ``aivedio bench
 fanout`` (``fanout=FILE``). Every figure of the plan names the measured figure it came from;
 what was not measured is printed as unknown with the command that measures it. Message counts
-on NATS and Redis follow from the topology (every event is published once and delivered to each
-consumer group; the dispatcher publishes it once per gateway node in broadcast fan-out), and say
-so. Everything here is arithmetic on those figures; :func:`plan` does no I/O.
+on NATS and Redis follow from the topology (every event is published once; a status change is
+delivered to each consumer group, a progress-only event to the dispatcher alone; the dispatcher
+publishes it once per gateway node in broadcast fan-out), and say so. Everything here is
+arithmetic on those figures; :func:`plan` does no I/O.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from typing import Any
 from aivedio.bench.common import BenchUsageError, build_options, parse_options, print_json_line
 
 GROUPS = ("dispatcher", "media", "billing")
-"""The bus's consumer groups: each receives every event (``task.status``)."""
+"""The bus's consumer groups: each receives every status change (``task.status``); the
+dispatcher alone receives the progress-only events (``task.progress``)."""
 HEARTBEAT_BYTES = 150  # seed §12.11.3: 100-200 bytes per heartbeat with protocol overhead
 MEASURE = ["rates=250,500", "duration_s=5", "scenarios=one", "naive=0"]
 """``measure=1``: the short ``bench e2e`` run (below saturation on the CI machine)."""
@@ -55,6 +57,9 @@ class Options:
     heartbeat_s: float = 25.0
     fanout_per_event: float = 1.3
     event_bytes: int = 500
+    progress_share: float = 0.0
+    """The share of the events that move only the progress (topic ``task.progress``, read by
+    the dispatcher alone); 0 plans for every event reaching every group."""
     poll_interval_s: float = 15.0
     utilization: float = 0.6
     """Plan every process and server for at most this share of its cores."""
@@ -129,7 +134,7 @@ def plan(
         "servers": servers,
         "roles": roles,
         "postgres_transactions": postgres_tx,
-        "nats": _nats(peak),
+        "nats": _nats(peak, opts.progress_share),
         "redis": redis,
         "gateway": gateway,
         "warnings": warnings,
@@ -138,13 +143,17 @@ def plan(
     }
 
 
-def _nats(peak: float) -> dict[str, Any]:
-    """JetStream messages and acks per second: one publish per event, one delivery per group."""
+def _nats(peak: float, progress_share: float) -> dict[str, Any]:
+    """JetStream messages and acks per second: one publish per event, one delivery per group
+    of its topic (every group for a status change, the dispatcher for a progress one)."""
     groups = len(GROUPS)
+    deliveries = peak * (groups - (groups - 1) * progress_share)
     return {
-        "messages_per_s": peak * (1 + groups),
-        "acks_per_s": peak * (1 + groups),
-        "from": f"topology: one publish per event, delivered to {groups} groups {list(GROUPS)}",
+        "messages_per_s": peak + deliveries,
+        "acks_per_s": peak + deliveries,
+        "from": f"topology: one publish per event, a status change delivered to {groups} groups "
+        f"{list(GROUPS)}, a progress-only event ({progress_share:.0%} of them, progress_share) "
+        "to the dispatcher alone",
     }
 
 

@@ -1,11 +1,12 @@
 """The ``task.status`` bus message as consumers read it, and the loop every consumer runs.
 
-The outbox relay publishes each outbox row's ``payload`` (``state.events.domain_payload``) on
-topic ``task.status`` with the task id as key. Consumers read the INTERNAL ``status`` and are
-idempotent by their own business keys; this module only parses and settles deliveries:
-ack after the handler committed, nak with a delay when it failed (so a message that keeps
-failing reaches the dead letters after ``max_deliver``), term for a message that is not
-parseable at all.
+The outbox relay publishes each outbox row's ``payload`` (``state.events.domain_payload``) with
+the task id as key: on topic ``task.status`` for a status change, on ``task.progress`` for a
+version that moves only the progress (read by the notification dispatcher alone; the message
+is the same object). Consumers read the INTERNAL ``status`` and are idempotent by their own
+business keys; this module only parses and settles deliveries: ack after the handler
+committed, nak with a delay when it failed (so a message that keeps failing reaches the dead
+letters after ``max_deliver``), term for a message that is not parseable at all.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from tests.integration.propagation import (
     bus_config,
     delete_streams,
     outbox_counts,
+    outbox_routes,
     running,
 )
 from tests.proxy import TcpProxy
@@ -88,5 +89,5 @@ async def test_nats_outage_state_goes_on_backlog_drains_nothing_lost(
         await dispatch_bus.close()
         await client.aclose()
         await proxy.cut()
-    assert_in_order_once(sub.pairs(), {str(t): 7 for t, _ in made})
+    assert_in_order_once(sub.pairs(), {str(t): 7 for t, _ in made}, await outbox_routes(db))
     assert await outbox_counts(db) == {"published": 42}

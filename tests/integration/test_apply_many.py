@@ -158,7 +158,8 @@ class World:
                     projects,
                 ),
                 "outbox": await conn.fetch(
-                    "SELECT o.aggregate_id, o.aggregate_version, o.payload FROM outbox_events o"
+                    "SELECT o.aggregate_id, o.aggregate_version, o.event_type, o.payload"
+                    " FROM outbox_events o"
                     " JOIN generation_tasks t ON t.id = o.aggregate_id"
                     " WHERE t.project_id = ANY($1) AND o.aggregate_version > 1"
                     " ORDER BY o.aggregate_id, o.aggregate_version",

@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Sequence
 
 import asyncpg
+import nats
 import pytest
 import redis.asyncio as aioredis
 
@@ -40,6 +41,7 @@ from tests.integration.propagation import (
     bus_config,
     delete_streams,
     outbox_counts,
+    outbox_routes,
     running,
     stream_messages,
 )
@@ -102,7 +104,17 @@ async def test_events_flow_end_to_end_in_order(
             await asyncio.sleep(0.2)  # nothing more (no duplicates) arrives
     finally:
         await sub.stop()
-    assert_in_order_once(sub.pairs(), expected)
+    routes = await outbox_routes(db)
+    assert_in_order_once(sub.pairs(), expected, routes)
+    # Progress-only versions went to their own topic; the first progress of each task (it
+    # starts running) and the task's creation did not.
+    assert {v for (_, v), route in routes.items() if route == "task.status.changed"} == {1, 2}
+    assert {v for (_, v), route in routes.items() if route == "task.progress.changed"} == {
+        3,
+        4,
+        5,
+        6,
+    }
     first = sub.received[0]
     assert set(first) == {
         "type",
@@ -288,13 +300,38 @@ async def test_three_relays_publish_each_task_in_version_order(
             await sub.wait_for(lambda: len(sub.received) >= sum(expected.values()))
     finally:
         await sub.stop()
-    assert_in_order_once(sub.pairs(), expected)
+    assert_in_order_once(sub.pairs(), expected, await outbox_routes(db))
     # The bus itself holds every task's events in version order (the dispatcher's version
     # filter would hide a reordering, so look at the stream).
     stored = await stream_messages(nats_url, cfg)
     assert_in_order_once(
         [(key, json.loads(data)["aggregate_version"]) for key, data in stored], expected
     )
+
+
+async def test_progress_versions_go_to_their_own_topic(
+    db: Database, bus: Bus, cfg: BusConfig, nats_url: str
+) -> None:
+    """What media and billing read (``task.status``) holds every version but the progress-only
+    ones, which go to ``task.progress`` (the dispatcher reads both)."""
+    _, _, expected = await tasks_with_versions(db, 3, 4)  # v1 create, v2 running, v3-v5 progress
+    relay = OutboxRelay(db, bus)
+    while (await relay.pump()).claimed:
+        pass
+    nc = await nats.connect(nats_url)
+    by_subject: dict[str, set[int]] = {}
+    try:
+        js = nc.jetstream()
+        info = await js.stream_info(cfg.stream)
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            msg = await js.get_msg(cfg.stream, seq)
+            version = json.loads(msg.data or b"{}")["aggregate_version"]
+            by_subject.setdefault(msg.subject or "", set()).add(version)
+    finally:
+        await nc.close()
+    prefix = cfg.subject_prefix
+    assert by_subject == {f"{prefix}.task.status": {1, 2}, f"{prefix}.task.progress": {3, 4, 5}}
+    assert set(expected.values()) == {5}
 
 
 def test_the_bus_event_is_the_payload_with_the_relay_time_appended() -> None:

@@ -51,6 +51,8 @@ def test_cores_processes_and_transactions_come_from_the_measured_costs() -> None
     assert result["postgres_transactions"]["per_s"] == pytest.approx(1600)
     assert "pg_write_xacts_per_event" in result["postgres_transactions"]["from"]
     assert result["nats"]["messages_per_s"] == 2000 * 4  # one publish, three groups
+    progress = plan(Options(events_per_s=2000, progress_share=0.75), E2E)["nats"]
+    assert progress["messages_per_s"] == 2000 * (1 + 0.25 * 3 + 0.75)  # progress: dispatcher
     assert any("saturation" in w for w in result["warnings"])  # 2,000/s > 1,500/s measured
 
 

@@ -20,8 +20,10 @@ from aivedio.domain.transitions import (
     Outcome,
     Reason,
     ReconcileKind,
+    TaskChange,
     TaskView,
     decide,
+    progress_only,
 )
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -394,3 +396,49 @@ def test_platform_cancel_confirmation_never_contradicts_a_terminal(
 ) -> None:
     d = decide(task(status), attempt(), plat(PlatformKind.CANCEL_CONFIRMED), T0)
     assert (d.outcome, d.reason, d.reconcile) == (Outcome.IGNORED, reason, None)
+
+
+def test_a_version_that_moves_only_the_progress_is_a_progress_event() -> None:
+    running = task(Status.RUNNING, progress=10)
+    d = decide(
+        running,
+        attempt(ProviderStatus.RUNNING, 3),
+        prov(ProviderStatus.RUNNING, seq=4, progress=40),
+        T0,
+    )
+    assert d.outcome is Outcome.APPLIED and d.change is not None
+    assert progress_only(running, d.change)
+    started = decide(
+        task(Status.SUBMITTED), attempt(), prov(ProviderStatus.RUNNING, progress=5), T0
+    )
+    assert started.change is not None and not progress_only(task(Status.SUBMITTED), started.change)
+    done = decide(
+        running, attempt(ProviderStatus.RUNNING, 3), prov(ProviderStatus.SUCCEEDED, seq=4), T0
+    )
+    assert done.change is not None and not progress_only(running, done.change)
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"status": Status.SUBMITTED},
+        {"stage": Stage.INGESTING},
+        {"error_code": "provider_error"},
+        {"error_message": "late"},
+        {"asset_id": uuid.uuid4()},
+        {"progress": 10},
+    ],
+)
+def test_any_other_change_is_a_status_event(field: dict[str, object]) -> None:
+    running = task(Status.RUNNING, progress=10)
+    base = TaskChange(
+        status=running.status,
+        stage=running.stage,
+        progress=40,
+        error_code=None,
+        error_message=None,
+        asset_id=None,
+    )
+    assert progress_only(running, base)
+    changed = TaskChange(**{**{f: getattr(base, f) for f in base.__slots__}, **field})
+    assert not progress_only(running, changed)

@@ -55,7 +55,7 @@ PROGRESS_PER_TASK = 95  # progress 1..95 by 1: one event each (coalescing is set
 
 OUTBOX_PAYLOAD = """
 SELECT payload FROM outbox_events
-WHERE aggregate_id = $1 AND aggregate_version = $2 AND event_type = 'task.status.changed'
+WHERE aggregate_id = $1 AND aggregate_version = $2
 """
 
 

@@ -48,6 +48,7 @@ _WRITE_PARAMS = {
     20: "NULL",  # inbox id
     21: "true",  # a public event (progress moved): no audit row, the audit columns are NULL
     **dict.fromkeys(range(22, 29), "NULL"),
+    29: "'task.progress.changed'",  # the outbox row's routing class: only the progress moved
 }
 
 
@@ -148,6 +149,7 @@ def _batch_write_params(batch: int) -> dict[int, str]:
         26: fill("NULL", "bigint"),  # audit provider_sequence
         27: fill("NULL", "smallint"),  # audit progress
         28: fill("NULL", "text"),  # audit dedup key
+        29: fill("'task.progress.changed'", "text"),  # routing class: only the progress moved
     }
 
 

@@ -440,6 +440,23 @@ def _progress_only(
     return Decision(Outcome.APPLIED, change=change, attempt=recorded)
 
 
+def progress_only(task: TaskView, change: TaskChange) -> bool:
+    """Whether ``change`` moves only the task's progress: same status, stage, error and asset.
+
+    Such a version is a progress event: the browser's concern alone. The outbox routes it to
+    the bus topic ``task.progress``, which only the notification dispatcher reads; every other
+    version (a status or stage change, a terminal, a retry) goes to ``task.status``, which the
+    internal consumers (media, billing) read as well."""
+    return (
+        change.progress != task.progress
+        and change.status == task.status
+        and change.stage == task.stage
+        and change.error_code == task.error_code
+        and change.error_message == task.error_message
+        and change.asset_id == task.asset_id
+    )
+
+
 # A new attempt starts the task over: the fields a retry resets, in one place.
 RETRY_CHANGE = TaskChange(
     status=Status.CREATED,

@@ -1,9 +1,16 @@
 """The notification dispatcher: bus ``task.status`` -> the fan-out (Redis Pub/Sub), for the
 gateways.
 
-Consumes the topic as the durable group ``dispatcher`` (any number of replicas share it). For each
+Consumes two topics as the durable group ``dispatcher`` (any number of replicas share it):
+``task.status`` (every version that changes more than the progress, which the internal consumers
+read too) and ``task.progress`` (the progress-only versions, for browsers alone: the relay routes
+them there so that media and billing never fetch, parse and ack them; ``state.events``). One loop
+per topic, each with its own consumer and version filter: a task's events of one topic reach the
+fan-out in the order they were stored; across the two topics they may swap by a few
+milliseconds, which the gateway's per-project ordering absorbs (it holds a seq that came early
+for ``reorder_wait_s``, as it does for events of two dispatcher replicas). For each
 fetched batch: parse every delivery, drop the ones whose ``(task_id, task_version)`` is not newer
-than the highest version this replica already published for that task (a bounded LRU), publish the
+than the highest version this loop already published for that task (a bounded LRU), publish the
 rest as one fan-out batch (:class:`~aivedio.fanout.FanoutPublisher`; on Redis one call, a Lua
 script looping over PUBLISH: one reply per batch, see :mod:`aivedio.fanout.redis`), and ack the
 whole batch only after the fan-out answered. If it is unreachable, the batch is nak-ed with a
@@ -86,7 +93,7 @@ BATCH_SECONDS = Histogram(
 
 @dataclass(frozen=True, slots=True)
 class DispatcherConfig:
-    topic: str = "task.status"
+    topics: tuple[str, ...] = ("task.status", "task.progress")
     group: str = "dispatcher"
     channel_prefix: str = DEFAULT_PREFIX
     batch_size: int = 500
@@ -230,28 +237,40 @@ class NotificationDispatcher:
         self.config = config or DispatcherConfig()
         channel = broadcast_channel(self.config.channel_prefix)
         self.router: Router = router or (lambda _event: (channel,))
-        self.versions = VersionFilter(self.config.lru_size)
         self._failure: FanoutError | None = None  # the last failed publish, for health
-        self._consumer: Consumer | None = None
 
     async def run(self, stopping: asyncio.Event) -> None:
-        """Fetch, publish, ack, in order. The next batch is fetched while this one is published
-        (one pull request ahead), so events arriving meanwhile do not wait for a round trip to
-        the broker after the acks. One consumer, batches handled one after the other: one
-        task's events reach the fan-out in the order they were stored."""
+        """One loop per topic (:meth:`consume`) until ``stopping`` is set; the first one that
+        fails stops the others."""
+        loops = [asyncio.create_task(self.consume(t, stopping)) for t in self.config.topics]
+        try:
+            await asyncio.gather(*loops)
+        finally:
+            for loop in loops:
+                loop.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+
+    async def consume(self, topic: str, stopping: asyncio.Event) -> None:
+        """Fetch, publish, ack, in order, on one topic. The next batch is fetched while this one
+        is published (one pull request ahead), so events arriving meanwhile do not wait for a
+        round trip to the broker after the acks. One consumer, batches handled one after the
+        other: one task's events of this topic reach the fan-out in the order they were
+        stored."""
         cfg = self.config
+        versions = VersionFilter(cfg.lru_size)
+        consumer: Consumer | None = None
         failures = 0
         ahead: asyncio.Task[list[Delivery]] | None = None
         try:
             while not stopping.is_set():
                 try:
-                    if self._consumer is None:
-                        self._consumer = await self.bus.subscribe(cfg.topic, cfg.group)
+                    if consumer is None:
+                        consumer = await self.bus.subscribe(topic, cfg.group)
                     if ahead is not None:
                         fetching, ahead = ahead, None
                         deliveries = await fetching
                     else:
-                        deliveries = await self._next_batch(self._consumer)
+                        deliveries = await self._next_batch(consumer)
                     failures = 0
                 except BusClosed:
                     return
@@ -264,8 +283,8 @@ class NotificationDispatcher:
                 if not deliveries:
                     health.recovered()
                     continue
-                ahead = asyncio.create_task(self._next_batch(self._consumer))
-                if await self.handle(deliveries):
+                ahead = asyncio.create_task(self._next_batch(consumer))
+                if await self.handle(deliveries, versions):
                     health.recovered()
                 else:
                     # The fan-out is away: what was fetched meanwhile goes back to the bus too.
@@ -278,19 +297,20 @@ class NotificationDispatcher:
             if ahead is not None:  # stopping: its deliveries come back after the ack wait
                 ahead.cancel()
                 await asyncio.gather(ahead, return_exceptions=True)
-            if self._consumer is not None:
-                await self._consumer.close()
+            if consumer is not None:
+                await consumer.close()
 
     async def _next_batch(self, consumer: Consumer) -> list[Delivery]:
         """What is there now (up to a batch), else the first events to arrive within
         ``idle_fetch_s``: the bus returns as soon as it has any (one request, no linger)."""
         return await consumer.fetch(self.config.batch_size, timeout=self.config.idle_fetch_s)
 
-    async def handle(self, deliveries: Sequence[Delivery]) -> bool:
-        """Publish one batch to the fan-out and settle every delivery; ``False`` if it failed."""
+    async def handle(self, deliveries: Sequence[Delivery], versions: VersionFilter) -> bool:
+        """Publish one batch to the fan-out and settle every delivery; ``False`` if it failed.
+        ``versions``: the highest version published per task, of the batch's topic."""
         started = time.perf_counter()
-        publish, drop = await self._sort(deliveries)
-        if publish and not await self._publish(publish):
+        publish, drop = await self._sort(deliveries, versions)
+        if publish and not await self._publish(publish, versions):
             await self._settle([d for d, _ in publish], nak_delay=self.config.redis_nak_delay_s)
             await self._settle(drop)
             return False
@@ -299,7 +319,7 @@ class NotificationDispatcher:
         return True
 
     async def _sort(
-        self, deliveries: Sequence[Delivery]
+        self, deliveries: Sequence[Delivery], versions: VersionFilter
     ) -> tuple[list[tuple[Delivery, RoutedEvent]], list[Delivery]]:
         """Split a batch into the new events to publish and the deliveries to ack unpublished
         (ignored types, duplicates); a malformed delivery is handled on the spot."""
@@ -317,7 +337,7 @@ class NotificationDispatcher:
                 drop.append(d)
                 continue
             high = batch_high.get(event.task_id)
-            if (high is not None and event.task_version <= high) or not self.versions.is_new(
+            if (high is not None and event.task_version <= high) or not versions.is_new(
                 event.task_id, event.task_version
             ):
                 EVENTS.labels("duplicate").inc()
@@ -327,7 +347,9 @@ class NotificationDispatcher:
             publish.append((d, event))
         return publish, drop
 
-    async def _publish(self, publish: list[tuple[Delivery, RoutedEvent]]) -> bool:
+    async def _publish(
+        self, publish: list[tuple[Delivery, RoutedEvent]], versions: VersionFilter
+    ) -> bool:
         """One fan-out round trip for the batch's events; ``False`` (logged) if it failed."""
         try:
             messages: list[tuple[str, bytes]] = []
@@ -351,7 +373,7 @@ class NotificationDispatcher:
             )
             return False
         for _, event in publish:
-            self.versions.record(event.task_id, event.task_version)
+            versions.record(event.task_id, event.task_version)
             if event.relayed_at is not None:
                 LAG_SECONDS.observe(max(0.0, dispatched - event.relayed_at))
         EVENTS.labels("published").inc(len(publish))

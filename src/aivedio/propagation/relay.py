@@ -129,8 +129,13 @@ class RelayConfig:
     # by this relay and drained (0: never; autovacuum only). See ``_vacuum``.
     vacuum_after_rows: int = 10_000
     stats_interval_s: float = 5.0  # backlog gauges
+    # The outbox row's event_type -> bus topic: progress-only versions (state.events) go to a
+    # topic of their own, which only the dispatcher reads (propagation.dispatcher).
     topics: Mapping[str, str] = field(
-        default_factory=lambda: {"task.status.changed": "task.status"}
+        default_factory=lambda: {
+            "task.status.changed": "task.status",
+            "task.progress.changed": "task.progress",
+        }
     )
 
     def topic(self, event_type: str) -> str:

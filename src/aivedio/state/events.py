@@ -10,6 +10,11 @@ A version that changes no public field (``Reason.NO_PUBLIC_CHANGE``: the event c
 outbox row (its ``public``, ``event_id`` and ``epoch`` null: the dispatcher skips it, internal
 consumers read it) as usual, and the ``observation_audit`` row (outcome ``applied``) instead of
 the event.
+
+The outbox row's ``event_type`` is its routing class (the relay maps it to a bus topic):
+``task.progress.changed`` for a version that moves only the progress
+(``domain.transitions.progress_only``), ``task.status.changed`` for every other. The bus event
+itself says ``task.status.changed`` either way: a consumer reads both the same.
 """
 
 from __future__ import annotations
@@ -27,6 +32,11 @@ from aivedio.db.queries import q
 from aivedio.domain.public import public_event, stored_fields
 from aivedio.domain.statuses import STATUS_TABLE
 from aivedio.domain.transitions import AttemptChange, TaskChange
+
+STATUS_CHANGED = "task.status.changed"
+"""The bus event's type, and the outbox routing class of every version but a progress one."""
+PROGRESS_CHANGED = "task.progress.changed"
+"""The outbox routing class of a version that moves only the progress."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +89,7 @@ class NewEvent:
     attempt_change: AttemptChange | None = None
     inbox_id: int | None = None
     audit: AuditRow | None = None  # set: not a public event (no seq), this audit row instead
+    event_type: str = STATUS_CHANGED  # the outbox row's routing class
 
     def params(self) -> dict[str, Any]:
         """``write_event``'s keyword arguments."""
@@ -92,6 +103,7 @@ class NewEvent:
             "attempt_change": self.attempt_change,
             "inbox_id": self.inbox_id,
             "audit": self.audit,
+            "event_type": self.event_type,
         }
 
 
@@ -109,7 +121,7 @@ def domain_payload(
     """The bus event (seed §12.5.5); internal consumers read ``status`` (the internal one).
     ``public`` is None for a version that is not a public event."""
     return {
-        "event_type": "task.status.changed",
+        "event_type": STATUS_CHANGED,
         "aggregate_id": str(ref.task_id),
         "aggregate_version": version,
         "tenant_id": str(ref.tenant_id),
@@ -150,6 +162,7 @@ async def write_event(
     attempt_change: AttemptChange | None = None,
     inbox_id: int | None = None,
     audit: AuditRow | None = None,
+    event_type: str = STATUS_CHANGED,
 ) -> EventWritten:
     """Write one new task version: stream seq, task event, task row, attempt, outbox, inbox;
     with ``audit``, no seq and no task event but that audit row (not a public event).
@@ -192,6 +205,7 @@ async def write_event(
         a.provider_sequence if a else None,
         a.progress if a else None,
         a.dedup_key if a else None,
+        event_type,
     )
     assert row is not None  # one row, always
     return _written(row, ref, version, public=a is None)
@@ -266,8 +280,8 @@ async def write_events(conn: asyncpg.Connection, events: Sequence[NewEvent]) -> 
 
 
 def _columns(events: Sequence[NewEvent]) -> list[list[Any]]:
-    """The ``write_events`` statement's 28 array arguments, one element per event."""
-    columns: list[list[Any]] = [[] for _ in range(28)]
+    """The ``write_events`` statement's 29 array arguments, one element per event."""
+    columns: list[list[Any]] = [[] for _ in range(29)]
     for e in events:
         public, payload = _payloads(
             e.ref,
@@ -309,6 +323,7 @@ def _columns(events: Sequence[NewEvent]) -> list[list[Any]]:
             audit.provider_sequence if audit else None,
             audit.progress if audit else None,
             audit.dedup_key if audit else None,
+            e.event_type,
         )
         for column, value in zip(columns, values, strict=True):
             column.append(value)

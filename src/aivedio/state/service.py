@@ -38,9 +38,12 @@ from aivedio.domain.transitions import (
     TaskChange,
     TaskView,
     decide,
+    progress_only,
 )
 from aivedio.errors import AivedioError, DatabaseUnavailable
 from aivedio.state.events import (
+    PROGRESS_CHANGED,
+    STATUS_CHANGED,
     AuditRow,
     EventWritten,
     NewEvent,
@@ -454,6 +457,7 @@ def _new_event(
         attempt_change=attempt_change,
         inbox_id=provider.inbox_id if provider else None,
         audit=audit,
+        event_type=PROGRESS_CHANGED if progress_only(locked.task, change) else STATUS_CHANGED,
     )
 
 

@@ -65,6 +65,7 @@ WHERE t.id = $1
 -- $17 provider_status  $18 last_provider_seq  $19 last_provider_at  $20 inbox id
 -- $21 public event?  audit row (when not): $22 reason  $23 observed  $24 received_at
 -- $25 provider  $26 provider_sequence  $27 progress  $28 dedup key
+-- $29 the outbox row's event_type, its routing class (state.events)
 WITH stream AS (
     UPDATE event_streams SET head = head + 1, updated_at = now()
     WHERE project_id = $1 AND $21::boolean
@@ -106,7 +107,7 @@ WITH stream AS (
     RETURNING id
 ), outbox AS (
     INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_version, event_type, payload)
-    SELECT 'task', $2, $4, 'task.status.changed',
+    SELECT 'task', $2, $4, $29,
            $15::jsonb || jsonb_build_object('event_id', (SELECT head FROM stream),
                                             'epoch', (SELECT epoch FROM stream))
 ), audit AS (
@@ -180,6 +181,7 @@ SELECT (SELECT id FROM audit) AS audit_id, (SELECT id FROM item) AS item_id
 -- $16 record attempt?[]  $17 provider_status[]  $18 last_provider_seq[]  $19 last_provider_at[]
 -- $20 inbox id[]  $21 public event?[]  audit rows: $22 reason[]  $23 observed[]
 -- $24 received_at[]  $25 provider[]  $26 provider_sequence[]  $27 progress[]  $28 dedup key[]
+-- $29 the outbox rows' event_type[] (state.events)
 WITH input AS MATERIALIZED (
     SELECT *
     FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::bigint[], $5::text[],
@@ -187,14 +189,14 @@ WITH input AS MATERIALIZED (
                 $10::smallint[], $11::text[], $12::text[], $13::uuid[], $14::boolean[],
                 $15::text[], $16::boolean[], $17::text[], $18::bigint[], $19::timestamptz[],
                 $20::bigint[], $21::boolean[], $22::text[], $23::text[], $24::timestamptz[],
-                $25::text[], $26::bigint[], $27::smallint[], $28::text[])
+                $25::text[], $26::bigint[], $27::smallint[], $28::text[], $29::text[])
         WITH ORDINALITY AS i (project_id, task_id, attempt_id, version, public_payload,
                               source, trace_id, status, stage, progress, error_code,
                               error_message, asset_id, terminal, payload, record_attempt,
                               provider_status, last_provider_seq, last_provider_at, inbox_id,
                               public, audit_reason, audit_observed, audit_received_at,
                               audit_provider, audit_provider_sequence, audit_progress,
-                              audit_dedup_key, ord)
+                              audit_dedup_key, event_type, ord)
 ), locked AS MATERIALIZED (
     SELECT project_id FROM event_streams
     WHERE project_id IN (SELECT project_id FROM input WHERE public)
@@ -275,7 +277,7 @@ WITH input AS MATERIALIZED (
     RETURNING a.id
 ), outbox AS (
     INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_version, event_type, payload)
-    SELECT 'task', task_id, version, 'task.status.changed',
+    SELECT 'task', task_id, version, event_type,
            payload::jsonb || jsonb_build_object('event_id', seq, 'epoch', epoch)
     FROM numbered
     ORDER BY ord
