@@ -142,7 +142,7 @@ async def _stream(subscribers: aioredis.Redis, topic: str) -> AsyncIterator[byte
             event_id = orjson.loads(message["data"])["event_id"]
             yield (b"id: 0-%d\nevent: task.status\ndata: %s\n\n" % (event_id, message["data"]))
     finally:
-        await pubsub.aclose()  # type: ignore[no-untyped-call]
+        await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis 8.2
 
 
 def main() -> None:

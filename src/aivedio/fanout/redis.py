@@ -149,7 +149,7 @@ class RedisSubscription:
 
     async def close(self) -> None:
         with contextlib.suppress(*_ANY):
-            await self.pubsub.aclose()  # type: ignore[no-untyped-call]
+            await self.pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # typed from redis 8.2
 
 
 if TYPE_CHECKING:  # static proof that the adapter implements the port
