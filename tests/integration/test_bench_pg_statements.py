@@ -12,6 +12,7 @@ from aivedio.bench import pg_statements
 from aivedio.config import ServicesConfig
 from aivedio.db.migrate import migrate
 from aivedio.db.queries import q
+from aivedio.propagation.relay import mark_published_and_commit
 from aivedio.services import embedded
 
 
@@ -30,6 +31,8 @@ async def test_the_embedded_server_names_and_counts_each_statement_of_a_step(
                 await conn.fetchrow(q("outbox_stats"))
             for _ in range(2):  # literals in its text: pg_stat_statements shows them as $n
                 await conn.fetchval(q("inbox_has_work"))
+            await conn.execute("BEGIN")  # the relay's mark and COMMIT: one simple query
+            await conn.execute(mark_published_and_commit([1, 2]))
             after = await pg_statements.snapshot(conn)
         finally:
             await conn.close()
@@ -39,6 +42,7 @@ async def test_the_embedded_server_names_and_counts_each_statement_of_a_step(
     calls = {s.name: s.calls for s in pg_statements.between(before, after, top=50)}
     assert calls["outbox_stats"] == 3
     assert calls["inbox_has_work"] == 2
+    assert calls["outbox_mark_published"] == 1  # its array literal is shown as $1
     assert "migrate" not in calls  # before the first snapshot
 
 

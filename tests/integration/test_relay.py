@@ -30,6 +30,7 @@ from aivedio.propagation.relay import (
     OutboxRelay,
     RelayConfig,
     dedup_id,
+    mark_published_and_commit,
     stamped,
 )
 from aivedio.state.service import StateService
@@ -154,6 +155,32 @@ async def test_claim_takes_only_the_oldest_pending_row_of_each_task(db: Database
     assert versions[str(first[0]["aggregate_id"])] == 2
     assert sorted(versions.values()) == [1, 1, 2]
     assert set(versions) == set(expected)
+
+
+async def test_the_mark_and_the_commit_are_one_round_trip(db: Database) -> None:
+    """The published mark goes with the round's COMMIT as one simple query; it marks exactly the
+    acked rows, commits, and an UPDATE that fails skips the COMMIT (the round rolls back)."""
+    await tasks_with_versions(db, 3, 0)  # 3 tasks x v1
+    async with db.connection() as conn:
+        await conn.execute("BEGIN")
+        claimed = await conn.fetch(q("outbox_claim"), 100)
+        acked = [r["id"] for r in claimed[:2]]
+        await conn.execute(mark_published_and_commit(acked))
+        assert not conn.is_in_transaction()
+        assert await conn.fetchval("SELECT count(*) FROM outbox_events") == 3
+        published = await conn.fetch(
+            "SELECT id FROM outbox_events WHERE publish_status = 'published' ORDER BY id"
+        )
+        assert [r["id"] for r in published] == sorted(acked)
+        await conn.execute("BEGIN")
+        await conn.fetch(q("outbox_claim"), 100)
+        bad = mark_published_and_commit([claimed[2]["id"]]).replace("published_at", "nope", 1)
+        with pytest.raises(asyncpg.UndefinedColumnError):
+            await conn.execute(bad)
+        assert conn.is_in_transaction()  # the COMMIT did not run
+        await conn.execute("ROLLBACK")
+    assert await outbox_counts(db) == {"published": 2, "pending": 1}
+    assert mark_published_and_commit([]) == "COMMIT"
 
 
 async def test_trigger_notifies_only_while_a_relay_holds_the_idle_lock(
