@@ -11,7 +11,7 @@ import time
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -157,6 +157,10 @@ class TraceMiddleware:
 
         try:
             await self.app(scope, receive, send_with_trace)
+        except ClientDisconnect:
+            # Gone before its body was read: nobody to answer, and no error of the app's; its
+            # line says 499 (nginx's "client closed request") instead of an ASGI traceback.
+            status = 499
         finally:
             log(
                 logger,
