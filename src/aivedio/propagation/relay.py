@@ -114,6 +114,9 @@ def stamped(payload: str, suffix: str) -> bytes:
     return payload.encode()
 
 
+_IDS = "$1::bigint[]"
+
+
 def mark_published_and_commit(ids: Sequence[int]) -> str:
     """``outbox_mark_published`` of ``ids`` and the round's ``COMMIT`` as ONE simple query: one
     round trip instead of two per round (a parameter needs the extended protocol, which takes
@@ -123,8 +126,11 @@ def mark_published_and_commit(ids: Sequence[int]) -> str:
     normalizes to ``$1``)."""
     if not ids:
         return "COMMIT"
+    sql = q("outbox_mark_published")
+    if sql.count(_IDS) != 1:  # the query file changed shape: say so, never send a bare $1
+        raise RuntimeError(f"outbox_mark_published must take its ids as {_IDS} exactly once")
     array = "'{" + ",".join(str(int(i)) for i in ids) + "}'::bigint[]"
-    return q("outbox_mark_published").replace("$1::bigint[]", array) + ";\nCOMMIT"
+    return sql.replace(_IDS, array) + ";\nCOMMIT"
 
 
 @dataclass(frozen=True, slots=True)
