@@ -141,10 +141,6 @@ class RelayConfig:
     retry_max_s: float = 10.0
     max_rejections: int = 10  # broker rejections (not outages) before a row becomes 'dead'
     broker_pause_s: float = 0.5  # after a batch the broker could not take at all
-    # While busy (a round published something within busy_window_s), an empty round is followed
-    # by another claim after busy_poll_s instead of the NOTIFY sleep (see ``run``).
-    busy_window_s: float = 0.05
-    busy_poll_s: float = 0.002
     # VACUUM (ANALYZE) the outbox once a backlog of at least this many rows has been published
     # by this relay and drained (0: never; autovacuum only). See ``_vacuum``.
     vacuum_after_rows: int = 10_000
@@ -315,21 +311,18 @@ class OutboxRelay:
 
     async def run(self, stopping: asyncio.Event) -> None:
         """Pump until ``stopping``: again at once after a non-empty round; after an empty one,
-        poll every ``busy_poll_s`` while the last publish is less than ``busy_window_s`` old,
-        else sleep on NOTIFY.
+        sleep until a writer's NOTIFY (or a kick) wakes it (``IdleListener``, which waits at
+        most ``LOCK_WAIT_MS`` for the idle lock that in-flight writers hold shared).
 
-        Why poll while busy: to fall asleep the relay must take the idle lock, which waits for
-        every writer transaction that is inserting an outbox row at that moment to commit (that
-        is what makes the re-check complete), so under a steady write load the relay would wait
-        for the slowest writer in flight before seeing rows that committed long before (p50
-        57 ms from event to relay round at 200 events/s on the CI box). A busy poll is one
-        index probe (``outbox_has_work``) on a pooled connection.
+        There was a busy poll here (``outbox_has_work`` every 2 ms for 50 ms after a publish),
+        from when falling asleep waited for the slowest writer in flight. Since that wait is
+        bounded, the poll only cost CPU (at 20 events/s the relay's fell from ~5.1 to ~1.4 ms
+        per event without it) and time (its 2 ms step against a NOTIFY's wake-up):
+        ``bench e2e`` figures in ``docs/reference/benchmarks.md``.
         """
         cfg = self.config
         stats = asyncio.create_task(self._stats_loop(stopping))
         failures = 0
-        loop = asyncio.get_running_loop()
-        busy_until = 0.0
         try:
             while not stopping.is_set():
                 try:
@@ -354,11 +347,6 @@ class OutboxRelay:
                     self.idle.worked()
                     if result.broker_down:
                         await wait_any(stopping, cfg.broker_pause_s)
-                    elif result.published:
-                        busy_until = loop.time() + cfg.busy_window_s
-                    continue
-                if loop.time() < busy_until:
-                    await self._poll_while_busy(stopping, busy_until)
                     continue
                 await self.idle.sleep(stopping)
         finally:
@@ -406,18 +394,6 @@ class OutboxRelay:
                     await conn.execute("SELECT pg_advisory_unlock($1)", VACUUM_LOCK)
         except DB_ERRORS as exc:
             log(logger, logging.WARNING, "outbox vacuum failed", error=repr(exc))
-
-    async def _poll_while_busy(self, stopping: asyncio.Event, until: float) -> None:
-        """Return once a claimable row shows up, or at ``until``."""
-        loop = asyncio.get_running_loop()
-        while not stopping.is_set() and loop.time() < until:
-            await asyncio.sleep(self.config.busy_poll_s)  # 2 ms: stopping is checked after it
-            try:
-                async with self.db.connection() as conn:
-                    if await conn.fetchval(q("outbox_has_work")):
-                        return
-            except DB_ERRORS:
-                return  # the next round reports it
 
     async def _stats_loop(self, stopping: asyncio.Event) -> None:
         while not stopping.is_set():
