@@ -306,8 +306,9 @@ async def _aivedio_target(
     count = 1 if scenario == "one" else opts.projects
     made = [await create_project_in(conn, "bench-e2e", f"{scenario}-{i}") for i in range(count)]
     projects = [(str(m["project_id"]), str(m["api_key"])) for m in made]
-    task_ids = await create_tasks(dep.base, projects, tasks, opts.create_concurrency)
-    say(f"{len(task_ids)} tasks created through the API in {count} project(s)")
+    task_ids, resent = await create_tasks(dep.base, projects, tasks, opts.create_concurrency)
+    again = f" ({resent} requests sent again)" if resent else ""
+    say(f"{len(task_ids)} tasks created through the API in {count} project(s){again}")
     rows = await wait_submitted(conn, task_ids, 120 + tasks / 20)
     say("every task's generation is at the sandbox, held still")
     left, waited = await wait_polled(conn, task_ids, 60 + tasks / 40)

@@ -367,33 +367,50 @@ async def create_tasks(
     projects: Sequence[tuple[str, str]],
     count: int,
     concurrency: int,
-) -> list[str]:
+) -> tuple[list[str], int]:
     """``count`` tasks through the API (``POST /v1/projects/{id}/tasks``, an ``Idempotency-Key``
     each), round robin over ``projects`` ((project id, API key)); their generations hold still
-    at the sandbox (``params.sandbox.hold``). Returns the task ids in creation order."""
+    at the sandbox (``params.sandbox.hold``). Returns the task ids in creation order, and how
+    many requests were sent again.
+
+    As any client of the API should, a request is sent again with its key after a 429, a 5xx or
+    a connection that failed before the answer: a keep-alive connection the server closed (its
+    5 s idle timeout) just as the request was written to it gives a reset, and the key makes
+    the second send return the task the first one may have created."""
     body = {"provider": "sandbox", "model": "bench-e2e", "prompt": "a bench of cats",
             "params": {"sandbox": {"hold": True}}}  # fmt: skip
     ids: list[str | None] = [None] * count
+    resent = 0
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(base_url=base, timeout=60, limits=limits, trust_env=False) as c:
 
         async def one(i: int) -> None:
+            nonlocal resent
             project, key = projects[i % len(projects)]
             headers = {"Authorization": f"Bearer {key}", "Idempotency-Key": f"e2e-{project}-{i}"}
+            failure = ""
             async with sem:
                 for attempt in range(5):
-                    r = await c.post(f"/v1/projects/{project}/tasks", json=body, headers=headers)
+                    if attempt:
+                        resent += 1
+                        await asyncio.sleep(0.2 * 2 ** (attempt - 1))
+                    url = f"/v1/projects/{project}/tasks"
+                    try:
+                        r = await c.post(url, json=body, headers=headers)
+                    except httpx.TransportError as exc:
+                        failure = repr(exc)
+                        continue
                     if r.status_code == 202:
                         ids[i] = str(r.json()["task"]["id"])
                         return
                     if r.status_code < 500 and r.status_code != 429:
                         raise RuntimeError(f"task create: {r.status_code} {r.text[:200]}")
-                    await asyncio.sleep(0.2 * 2**attempt)
-                raise RuntimeError(f"task create kept failing: {r.status_code}")
+                    failure = str(r.status_code)
+                raise RuntimeError(f"task create kept failing: {failure}")
 
         await asyncio.gather(*(one(i) for i in range(count)))
-    return [i for i in ids if i is not None]
+    return [i for i in ids if i is not None], resent
 
 
 SUBMITTED = """
