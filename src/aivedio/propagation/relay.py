@@ -210,7 +210,7 @@ class OutboxRelay:
         async with self.db.connection() as conn:
             await conn.execute("BEGIN; SET LOCAL synchronous_commit = off")
             try:
-                result, ok = await self._round(conn)  # it ends with the COMMIT
+                result, ok = await self._round(conn)
             except BaseException:
                 # The pool resets (or drops) a connection it gets back in a transaction anyway.
                 with contextlib.suppress(*DB_ERRORS, OSError):
@@ -223,6 +223,8 @@ class OutboxRelay:
     async def _round(
         self, conn: asyncpg.Connection
     ) -> tuple[PumpResult, list[tuple[asyncpg.Record, PublishAck]]]:
+        """The body of ``pump``'s transaction, which ``pump`` opened: claim, publish, mark,
+        and the COMMIT (sent with the mark: ``mark_published_and_commit``)."""
         cfg = self.config
         rows = await conn.fetch(q("outbox_claim"), cfg.batch_size)
         if not rows:
