@@ -27,7 +27,8 @@ from starlette.applications import Starlette
 
 from aivedio.db.handoff import Handoff
 from aivedio.db.pool import Database
-from aivedio.domain.observation import Observation
+from aivedio.db.queries import q
+from aivedio.domain.observation import Observation, ProviderStatus
 from aivedio.ingest.gateway import CallbackConfig, callback_routes
 from aivedio.ingest.group_commit import InboxWriter
 from aivedio.ingest.processor import IDLE_LOCK, InboxConfig, InboxProcessor
@@ -39,6 +40,7 @@ from aivedio.providers.sandbox import SandboxAdapter
 from aivedio.sandbox import SandboxConfig, create_app
 from aivedio.state.service import ApplyResult, StateService
 from tests.integration.helpers import Project, holds_advisory_lock, make_project, make_task, store
+from tests.integration.test_lock_freshness import waiting_for_a_lock, webhook
 from tests.integration.test_sandbox_provider import free_socket, run_app
 from tests.waiting import eventually
 
@@ -234,14 +236,20 @@ async def test_callback_is_mapped_by_provider_task_id_and_applied(env: Env) -> N
 class FailingState(StateService):
     """Applies, then fails before commit: nothing of the row's transaction may survive."""
 
-    async def apply_in(self, conn: asyncpg.Connection, obs: Observation) -> ApplyResult:
-        await super().apply_in(conn, obs)
+    async def apply_in(
+        self, conn: asyncpg.Connection, obs: Observation, *, locked: bool = False
+    ) -> ApplyResult:
+        await super().apply_in(conn, obs, locked=locked)
         raise RuntimeError("crash after apply")
 
     async def apply_many_in(
-        self, conn: asyncpg.Connection, observations: Sequence[Observation]
+        self,
+        conn: asyncpg.Connection,
+        observations: Sequence[Observation],
+        *,
+        locked: bool = False,
     ) -> list[ApplyResult]:
-        await super().apply_many_in(conn, observations)
+        await super().apply_many_in(conn, observations, locked=locked)
         raise RuntimeError("crash after apply")
 
 
@@ -353,8 +361,10 @@ class CountingState(StateService):
         super().__init__(db)
         self.seen = seen
 
-    async def apply_in(self, conn: asyncpg.Connection, obs: Observation) -> ApplyResult:
-        result = await super().apply_in(conn, obs)
+    async def apply_in(
+        self, conn: asyncpg.Connection, obs: Observation, *, locked: bool = False
+    ) -> ApplyResult:
+        result = await super().apply_in(conn, obs, locked=locked)
         inbox_id = getattr(obs, "inbox_id", None)
         assert inbox_id is not None
         self.seen.append(inbox_id)
@@ -362,9 +372,13 @@ class CountingState(StateService):
         return result
 
     async def apply_many_in(
-        self, conn: asyncpg.Connection, observations: Sequence[Observation]
+        self,
+        conn: asyncpg.Connection,
+        observations: Sequence[Observation],
+        *,
+        locked: bool = False,
     ) -> list[ApplyResult]:
-        results = await super().apply_many_in(conn, observations)
+        results = await super().apply_many_in(conn, observations, locked=locked)
         self.seen.extend(getattr(obs, "inbox_id", None) for obs in observations)
         await asyncio.sleep(0.005)
         return results
@@ -403,6 +417,78 @@ async def test_a_taken_over_lease_cannot_apply(env: Env) -> None:
     await slow._process(claimed, stale_token)  # the first claimer wakes up late
     assert seen == [claimed["id"]]
     assert await env.status(task_id) == "running"
+
+
+async def test_the_take_locks_the_tasks_of_the_rows_it_takes_and_no_others(env: Env) -> None:
+    (ours_task, ours_attempt, _), (lost_task, lost_attempt, _) = [
+        await env.task(provider_task_id=f"gen_t{i}") for i in range(2)
+    ]
+    for i in range(2):
+        await env.post_sandbox(generation(f"gen_t{i}", "running", 2))
+    ours, lost = (r["id"] for r in await env.inbox())
+    token = uuid.uuid4()
+    async with env.db.connection() as conn:
+        await conn.execute(
+            "UPDATE provider_callback_inbox"
+            " SET lease_token = CASE id WHEN $1 THEN $2::uuid ELSE $3::uuid END",
+            ours,
+            token,
+            uuid.uuid4(),  # the other row's lease is another processor's
+        )
+    async with env.db.transaction() as conn:
+        taken = await conn.fetch(
+            q("inbox_take_claimed"), [ours, lost], token, [ours_attempt, lost_attempt]
+        )
+        assert [r["id"] for r in taken] == [ours]
+        async with env.db.connection() as other:
+            lock = "SELECT id FROM generation_tasks WHERE id = $1 FOR UPDATE NOWAIT"
+            with pytest.raises(asyncpg.LockNotAvailableError):
+                await other.execute(lock, ours_task)
+            async with other.transaction():
+                assert await other.fetchval(lock, lost_task) == lost_task
+    by_id = {r["id"]: r for r in await env.inbox()}
+    assert (by_id[ours]["process_status"], by_id[lost]["process_status"]) == (
+        "processed",
+        "pending",
+    )
+
+
+async def test_a_row_whose_take_waited_for_its_task_decides_on_the_committed_attempt(
+    env: Env,
+) -> None:
+    """The lock-freshness rule (tests/integration/test_lock_freshness.py) on the processor's
+    path, where the take statement is the one that waits for the task's lock."""
+    _, attempt, _ = await env.task(provider_task_id="gen_f")
+    for seq, status in ((1, ProviderStatus.QUEUED), (2, ProviderStatus.RUNNING)):
+        await env.state.apply(webhook(attempt, status, seq))
+    await env.post_sandbox(generation("gen_f", "running", 3))  # late: stored, not yet applied
+    async with env.db.transaction() as conn:
+        await env.state.apply_in(conn, webhook(attempt, ProviderStatus.SUCCEEDED, 4))
+        applying = asyncio.create_task(drain(env.processor()))
+        await eventually(
+            lambda: waiting_for_a_lock(env.db),
+            "the processor to wait for the task's lock",
+            4,
+            interval=0.01,
+        )
+    assert await applying == 1
+    async with env.db.connection() as conn:
+        row = await conn.fetchrow(
+            "SELECT provider_status, last_provider_seq FROM task_attempts WHERE id = $1", attempt
+        )
+        audit = await conn.fetchrow(
+            "SELECT outcome, reason FROM observation_audit WHERE provider_sequence = 3"
+            " AND attempt_id = $1",
+            attempt,
+        )
+    assert row is not None and (row["provider_status"], row["last_provider_seq"]) == (
+        "succeeded",
+        4,
+    )
+    assert audit is not None and (audit["outcome"], audit["reason"]) == (
+        "ignored",
+        "after_terminal",
+    )
 
 
 # --- batches: one project's rows of a claim in one transaction -------------------------------
@@ -533,15 +619,21 @@ class PoisonState(StateService):
         if any(getattr(obs, "inbox_id", None) in self.poison for obs in observations):
             raise RuntimeError("poison")
 
-    async def apply_in(self, conn: asyncpg.Connection, obs: Observation) -> ApplyResult:
+    async def apply_in(
+        self, conn: asyncpg.Connection, obs: Observation, *, locked: bool = False
+    ) -> ApplyResult:
         self._check([obs])
-        return await super().apply_in(conn, obs)
+        return await super().apply_in(conn, obs, locked=locked)
 
     async def apply_many_in(
-        self, conn: asyncpg.Connection, observations: Sequence[Observation]
+        self,
+        conn: asyncpg.Connection,
+        observations: Sequence[Observation],
+        *,
+        locked: bool = False,
     ) -> list[ApplyResult]:
         self._check(observations)
-        return await super().apply_many_in(conn, observations)
+        return await super().apply_many_in(conn, observations, locked=locked)
 
 
 async def test_a_row_that_fails_in_a_batch_is_deferred_alone(env: Env) -> None:

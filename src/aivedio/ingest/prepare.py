@@ -2,7 +2,8 @@
 
 A row is normalized by its adapter (:class:`Normalized`), mapped to its attempt with the one
 statement of its claim (:class:`Attempts`), re-fetched from the provider when its body is only a
-hint (:func:`refetch`), and then :class:`Ready` to apply. A row that cannot go on now raises
+hint (:func:`refetch`), and then :class:`Ready` to apply: :func:`take_claimed` is the first
+statement of the transaction that applies ready rows. A row that cannot go on now raises
 :class:`Defer` (see :mod:`aivedio.ingest.retries` for what becomes of it).
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import asyncpg
@@ -156,6 +158,20 @@ class Ready:
         """The callback taught the attempt its provider task id (it came before the submit
         response)."""
         return self.attempt.provider_task_id is None and self.state.provider_task_id is not None
+
+
+async def take_claimed(
+    conn: asyncpg.Connection, group: Sequence[Ready], token: uuid.UUID
+) -> list[asyncpg.Record]:
+    """In the apply transaction: the rows of ``group`` still leased under ``token`` marked
+    processed, and the tasks of their attempts locked (``inbox_take_claimed``), so the state
+    service applies them with ``locked=True``. The rows taken, as records with an ``id``."""
+    return await conn.fetch(
+        q("inbox_take_claimed"),
+        [ready.row["id"] for ready in group],
+        token,
+        [ready.attempt.id for ready in group],
+    )
 
 
 class Defer(Exception):

@@ -82,6 +82,7 @@ from aivedio.ingest.prepare import (
     Ready,
     fields_of,
     refetch,
+    take_claimed,
 )
 from aivedio.ingest.retries import backoff_s, record_deferral
 from aivedio.logs import log, trace_id_var
@@ -360,14 +361,10 @@ class InboxProcessor:
         group.sort(key=lambda ready: ready.row["id"])
         try:
             async with self.db.transaction() as conn:
-                ours = {
-                    r["id"]
-                    for r in await conn.fetch(
-                        q("inbox_take_claimed_many"), [ready.row["id"] for ready in group], token
-                    )
-                }
+                ours = {r["id"] for r in await take_claimed(conn, group, token)}
                 live = [ready for ready in group if ready.row["id"] in ours]
-                results = await self.state.apply_many_in(conn, [ready.obs for ready in live])
+                obs = [ready.obs for ready in live]
+                results = await self.state.apply_many_in(conn, obs, locked=True)
                 taught = {ready.attempt.id: ready for ready in live if ready.teaches_task_id}
                 if taught:
                     await conn.execute(
@@ -402,10 +399,10 @@ class InboxProcessor:
         trace = trace_id_var.set(row["trace_id"])
         try:
             async with self.db.transaction() as conn:
-                if await conn.fetchval(q("inbox_take_claimed"), row["id"], token) is None:
+                if not await take_claimed(conn, [ready], token):
                     log(logger, logging.INFO, "inbox row taken over", inbox_id=row["id"])
                     return
-                result = await self.state.apply_in(conn, ready.obs)
+                result = await self.state.apply_in(conn, ready.obs, locked=True)
                 if ready.teaches_task_id:
                     await conn.execute(
                         q("attempt_record_provider_task_ids"),

@@ -214,22 +214,30 @@ class StateService:
         APPLY_SECONDS.observe(time.perf_counter() - started)
         return result
 
-    async def apply_in(self, conn: asyncpg.Connection, obs: Observation) -> ApplyResult:
-        """Apply one observation inside the caller's transaction (timed without its commit)."""
+    async def apply_in(
+        self, conn: asyncpg.Connection, obs: Observation, *, locked: bool = False
+    ) -> ApplyResult:
+        """Apply one observation inside the caller's transaction (timed without its commit).
+        ``locked``: the caller's transaction has locked the task of ``obs``'s attempt already
+        (the inbox processor's ``inbox_take_claimed`` does, in the statement that takes its
+        row), so the lock's own round trip is saved; without that lock the decision could be
+        made on a stale task."""
         started = time.perf_counter()
-        result = await self._apply_in(conn, obs)
+        result = await self._apply_in(conn, obs, locked=locked)
         APPLY_SECONDS.observe(time.perf_counter() - started)
         return result
 
-    async def _apply_in(self, conn: asyncpg.Connection, obs: Observation) -> ApplyResult:
+    async def _apply_in(
+        self, conn: asyncpg.Connection, obs: Observation, *, locked: bool = False
+    ) -> ApplyResult:
         row = None
         if obs.attempt_id is not None and (
-            await conn.fetchval(q("lock_task_for_attempt"), obs.attempt_id) is not None
+            locked or await conn.fetchval(q("lock_task_for_attempt"), obs.attempt_id) is not None
         ):
             row = await conn.fetchrow(q("locked_attempts"), [obs.attempt_id])
-        locked = _locked(row) if row is not None else None
-        decision = self._decide(locked, obs)
-        return self._count(obs, await self._write(conn, _Pending(0, obs, locked, decision)))
+        task = _locked(row) if row is not None else None
+        decision = self._decide(task, obs)
+        return self._count(obs, await self._write(conn, _Pending(0, obs, task, decision)))
 
     async def apply_many(self, observations: Sequence[Observation]) -> list[ApplyResult]:
         """Apply a batch in one transaction: one COMMIT (one WAL flush) for all of them.
@@ -252,7 +260,7 @@ class StateService:
         started = time.perf_counter()
         try:
             async with self.db.transaction() as conn:
-                results = await self._apply_batch_in(conn, observations)
+                results = await self._apply_batch_in(conn, observations, locked=False)
         except DatabaseUnavailable:
             raise
         except Exception:
@@ -266,13 +274,19 @@ class StateService:
         return results
 
     async def apply_many_in(
-        self, conn: asyncpg.Connection, observations: Sequence[Observation]
+        self,
+        conn: asyncpg.Connection,
+        observations: Sequence[Observation],
+        *,
+        locked: bool = False,
     ) -> list[ApplyResult]:
         """``apply_many`` inside the caller's transaction (no fallback: an error is the
         caller's, and its transaction is to be rolled back). Each observation is timed as its
-        share of the batch, without the caller's commit."""
+        share of the batch, without the caller's commit. ``locked``: the caller's transaction
+        has locked the tasks of every observation's attempt already, in task id order (see
+        ``apply_in``)."""
         started = time.perf_counter()
-        results = await self._apply_batch_in(conn, observations)
+        results = await self._apply_batch_in(conn, observations, locked=locked)
         share = (time.perf_counter() - started) / max(1, len(observations))
         for obs, result in zip(observations, results, strict=True):
             APPLY_SECONDS.observe(share)
@@ -280,12 +294,13 @@ class StateService:
         return results
 
     async def _apply_batch_in(
-        self, conn: asyncpg.Connection, observations: Sequence[Observation]
+        self, conn: asyncpg.Connection, observations: Sequence[Observation], *, locked: bool
     ) -> list[ApplyResult]:
         if not observations:
             return []
         attempt_ids = sorted({o.attempt_id for o in observations if o.attempt_id is not None})
-        await conn.execute(q("lock_tasks_for_attempts"), attempt_ids)
+        if not locked:
+            await conn.execute(q("lock_tasks_for_attempts"), attempt_ids)
         rows = await conn.fetch(q("locked_attempts"), attempt_ids)
         now: datetime | None = rows[0]["locked_at"] if rows else None
         by_attempt = {row["attempt_id"]: row for row in rows}
@@ -303,10 +318,10 @@ class StateService:
                 continue
             assert now is not None
             current = tasks[found["id"]]
-            locked = _Locked(current.ref, current.task, attempts[found["attempt_id"]])
-            decision = self._decide(locked, obs)
-            pending.append(_Pending(index, obs, locked, decision))
-            evolved = _evolve(locked, decision, now)
+            view = _Locked(current.ref, current.task, attempts[found["attempt_id"]])
+            decision = self._decide(view, obs)
+            pending.append(_Pending(index, obs, view, decision))
+            evolved = _evolve(view, decision, now)
             tasks[found["id"]] = evolved
             attempts[found["attempt_id"]] = evolved.attempt
         return await self._write_batch(conn, pending)

@@ -9,39 +9,40 @@ SELECT id, provider, dedup_key, provider_event_id, provider_task_id, client_requ
 FROM aivedio_inbox_claim($1, $2, $3)
 
 -- name: inbox_take_claimed
--- The first statement of the apply transaction: the row, if still ours (token $2) and
--- unprocessed, locked and marked processed (lease dropped) at once; the transaction commits that
--- with the row's effects or rolls it all back. NULL when another processor took the row over.
--- (The state service's own inbox update then finds it processed and writes nothing more.)
-WITH mine AS (
-    SELECT id FROM provider_callback_inbox
-    WHERE id = $1 AND lease_token = $2 AND process_status IN ('pending', 'retry', 'orphan')
-    FOR UPDATE
-)
-UPDATE provider_callback_inbox i
-SET process_status = 'processed', processed_at = COALESCE(i.processed_at, now()),
-    lease_until = NULL, lease_token = NULL
-FROM mine
-WHERE i.id = mine.id
-RETURNING i.id
-
--- name: inbox_take_claimed_many
--- inbox_take_claimed for the rows ($1 ids) of one batch transaction: those still ours and
--- unprocessed, locked in id order (two processors cannot deadlock on them) and marked processed.
--- A row another processor took over is not returned.
+-- The first statement of the apply transaction, for the rows ($1 ids) of one transaction and the
+-- attempts ($3 uuid[], one per row, NULL for none) they are to be applied to: the rows still ours
+-- (token $2) and unprocessed, locked in id order (two processors cannot deadlock on them) and
+-- marked processed (lease dropped); then the tasks of those rows' attempts locked in task id
+-- order, as lock_tasks_for_attempts does (state.sql): the state service's locked_attempts reads
+-- them in the next statement, the one that must follow the lock (see lock_task_for_attempt).
+-- One statement, one round trip, where a take and a lock were two. The transaction commits it
+-- with the rows' effects or rolls it all back. A row another processor took over is not returned,
+-- and its task is not locked. (The state service's own inbox update then finds the rows
+-- processed and writes nothing more.)
 WITH mine AS (
     SELECT id FROM provider_callback_inbox
     WHERE id = ANY($1::bigint[]) AND lease_token = $2
       AND process_status IN ('pending', 'retry', 'orphan')
     ORDER BY id
     FOR UPDATE
+), taken AS (
+    UPDATE provider_callback_inbox i
+    SET process_status = 'processed', processed_at = COALESCE(i.processed_at, now()),
+        lease_until = NULL, lease_token = NULL
+    FROM mine
+    WHERE i.id = mine.id
+    RETURNING i.id
+), tasks AS MATERIALIZED (
+    SELECT t.id FROM generation_tasks t
+    WHERE t.id IN (
+        SELECT a.task_id
+        FROM unnest($1::bigint[], $3::uuid[]) AS k (inbox_id, attempt_id)
+        JOIN taken ON taken.id = k.inbox_id
+        JOIN task_attempts a ON a.id = k.attempt_id)
+    ORDER BY t.id
+    FOR UPDATE OF t
 )
-UPDATE provider_callback_inbox i
-SET process_status = 'processed', processed_at = COALESCE(i.processed_at, now()),
-    lease_until = NULL, lease_token = NULL
-FROM mine
-WHERE i.id = mine.id
-RETURNING i.id
+SELECT taken.id, (SELECT count(*) FROM tasks) AS tasks_locked FROM taken
 
 -- name: inbox_release
 -- A stopping processor gives back the leases of the rows handed to it in memory that it never
