@@ -363,8 +363,8 @@ class InboxProcessor:
             async with self.db.transaction() as conn:
                 ours = {r["id"] for r in await take_claimed(conn, group, token)}
                 live = [ready for ready in group if ready.row["id"] in ours]
-                obs = [ready.obs for ready in live]
-                results = await self.state.apply_many_in(conn, obs, locked=True)
+                observations = [ready.obs for ready in live]
+                results = await self.state.apply_many_in(conn, observations, locked=True)
                 taught = {ready.attempt.id: ready for ready in live if ready.teaches_task_id}
                 if taught:
                     await conn.execute(
