@@ -143,6 +143,12 @@ def test_stages_need_both_stamps() -> None:
     assert samples["read"] == pytest.approx([1.0])  # not 20 ms "from applied"
 
 
+def test_the_progress_line_says_which_of_the_lost_were_superseded() -> None:
+    step = StepFigures(asked=2000.0, lost=5, superseded=3)
+    assert step.superseded_note() == " (3 superseded by a later one of their task)"
+    assert StepFigures(asked=2000.0, lost=5).superseded_note() == ""
+
+
 def test_headline_step_is_the_nearest_rate() -> None:
     steps = [StepFigures(asked=r) for r in (500.0, 1500.0, 2000.0)]
     assert at_rate(steps, 1000.0) is steps[1]  # a tie goes to the higher rate

@@ -97,6 +97,13 @@ class StepFigures:
     drained_s: float = 0.0
     drained: bool = True
 
+    def superseded_note(self) -> str:
+        """For the step's progress line: how many of the lost a later webhook of their task
+        overtook (the state machine kept the later state: not lost on the way, not applied)."""
+        if not self.superseded:
+            return ""
+        return f" ({self.superseded} superseded by a later one of their task)"
+
     def cpu_us(self) -> dict[str, float]:
         """CPU microseconds per webhook sent, per process group; ``aivedio`` sums the
         deployment's processes (``aivedio-<n>-<roles>``), ``postgres`` every backend of the
@@ -154,7 +161,7 @@ async def run_scenario(target: Target, rates: Sequence[float], knobs: Knobs) -> 
             say(
                 f"{rate:7.0f}/s asked: {result.achieved:7.1f}/s, p50 "
                 f"{result.latency.get('p50', math.nan):8.1f} ms, p99 {p99:8.1f} ms, lost "
-                f"{result.lost}, drained in {result.drained_s:.1f} s"
+                f"{result.lost}{result.superseded_note()}, drained in {result.drained_s:.1f} s"
             )
             if not result.drained:
                 figures.stopped = f"the chain had not drained {knobs.settle_s:g} s after {rate:g}/s"
