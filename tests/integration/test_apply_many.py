@@ -288,6 +288,39 @@ def lifecycle(attempt_id: uuid.UUID, asset: uuid.UUID) -> list[Observation]:
     ]
 
 
+async def task_rows(db: Database, task_id: uuid.UUID, attempt_id: uuid.UUID) -> list[Any]:
+    """One task's rows as the state service left them: task, attempt, events, audit, items."""
+    async with db.connection() as conn:
+        task = await conn.fetchrow(
+            "SELECT status, stage, progress, version, last_event_id, asset_id,"
+            " terminal_at IS NULL AS open FROM generation_tasks WHERE id = $1",
+            task_id,
+        )
+        attempt = await conn.fetchrow(
+            "SELECT provider_status, last_provider_seq, last_provider_at,"
+            " next_poll_at IS NULL AS unpolled"
+            " FROM task_attempts WHERE id = $1",
+            attempt_id,
+        )
+        events = await conn.fetch(
+            "SELECT seq, task_version, public_payload::jsonb - 'task_id' AS p, source"
+            " FROM task_events WHERE task_id = $1 ORDER BY seq",
+            task_id,
+        )
+        # In decided order: a batch writes the audit rows of unapplied observations before
+        # its events, and those of versions that are no public event with them.
+        audit = await conn.fetch(
+            "SELECT outcome, reason, observed, task_version FROM observation_audit"
+            " WHERE task_id = $1 ORDER BY task_version, outcome <> 'applied', id",
+            task_id,
+        )
+        items = await conn.fetch(
+            "SELECT kind, state FROM reconciliation_items WHERE task_id = $1", task_id
+        )
+    assert task is not None and attempt is not None
+    return [dict(task), dict(attempt), *map(dict, events), *map(dict, audit), *map(dict, items)]
+
+
 async def test_one_task_many_times_in_one_batch_evolves_as_one_by_one(db: Database) -> None:
     state = StateService(db)
     asset = uuid.uuid4()
@@ -305,37 +338,79 @@ async def test_one_task_many_times_in_one_batch_evolves_as_one_by_one(db: Databa
     ]
     assert {r.outcome for r in batched} == {Outcome.APPLIED, Outcome.IGNORED, Outcome.CONFLICT}
 
-    async def rows(task_id: uuid.UUID, attempt_id: uuid.UUID) -> list[Any]:
-        async with db.connection() as conn:
-            task = await conn.fetchrow(
-                "SELECT status, stage, progress, version, last_event_id, asset_id,"
-                " terminal_at IS NULL AS open FROM generation_tasks WHERE id = $1",
-                task_id,
-            )
-            attempt = await conn.fetchrow(
-                "SELECT provider_status, last_provider_seq, next_poll_at IS NULL AS unpolled"
-                " FROM task_attempts WHERE id = $1",
-                attempt_id,
-            )
-            events = await conn.fetch(
-                "SELECT seq, task_version, public_payload::jsonb - 'task_id' AS p, source"
-                " FROM task_events WHERE task_id = $1 ORDER BY seq",
-                task_id,
-            )
-            # In decided order: a batch writes the audit rows of unapplied observations before
-            # its events, and those of versions that are no public event with them.
-            audit = await conn.fetch(
-                "SELECT outcome, reason, observed, task_version FROM observation_audit"
-                " WHERE task_id = $1 ORDER BY task_version, outcome <> 'applied', id",
-                task_id,
-            )
-            items = await conn.fetch(
-                "SELECT kind, state FROM reconciliation_items WHERE task_id = $1", task_id
-            )
-        assert task is not None and attempt is not None
-        return [dict(task), dict(attempt), *map(dict, events), *map(dict, audit), *map(dict, items)]
+    assert await task_rows(db, one_task, one_attempt) == await task_rows(
+        db, many_task, many_attempt
+    )
 
-    assert await rows(one_task, one_attempt) == await rows(many_task, many_attempt)
+
+def seen(
+    attempt_id: uuid.UUID, status: ProviderStatus, seq: int, progress: int | None = None
+) -> Observation:
+    return ProviderObservation(
+        provider="sandbox",
+        attempt_id=attempt_id,
+        status=status,
+        source=Source.WEBHOOK,
+        provider_sequence=seq,
+        progress=progress,
+        provider_occurred_at=RECEIVED,
+    )
+
+
+def coalesced(attempt_id: uuid.UUID) -> list[Observation]:
+    """On a task running at 10 %: steps too small to write (each teaches the attempt its
+    sequence), one older than them, one for an attempt nobody knows."""
+    return [
+        seen(attempt_id, ProviderStatus.RUNNING, 2, 11),
+        seen(attempt_id, ProviderStatus.RUNNING, 4, 13),
+        seen(attempt_id, ProviderStatus.RUNNING, 1, 30),
+        seen(attempt_id, ProviderStatus.RUNNING, 3, 12),
+        running(uuid.uuid4(), 50),
+    ]
+
+
+def contradictions(attempt_id: uuid.UUID) -> list[Observation]:
+    """On a finished task: late progress, two contradicting terminals (one open item), the
+    terminal again."""
+    return [
+        seen(attempt_id, ProviderStatus.RUNNING, 7, 20),
+        seen(attempt_id, ProviderStatus.FAILED, 8),
+        seen(attempt_id, ProviderStatus.FAILED, 9),
+        seen(attempt_id, ProviderStatus.SUCCEEDED, 10),
+    ]
+
+
+async def test_batches_of_unapplied_observations_are_audited_as_one_by_one(db: Database) -> None:
+    """Batches whose observations all change nothing write their audit rows in one statement:
+    the same rows in the same order as one by one, the attempt with the values the last of them
+    taught it, one open reconciliation item per kind."""
+    state = StateService(db)
+    asset = uuid.uuid4()
+    one = await make_project(db, tenant="one")
+    many = await make_project(db, tenant="many")
+    one_task, one_attempt = await make_task(store(db, state), one)
+    many_task, many_attempt = await make_task(store(db, state), many)
+    for attempt in (one_attempt, many_attempt):
+        await state.apply(seen(attempt, ProviderStatus.RUNNING, 0, 10))
+    for phase in (coalesced, lambda a: [*lifecycle(a, asset), *contradictions(a)]):
+        singles = [await state.apply(o) for o in phase(one_attempt)]
+        batched = await state.apply_many(phase(many_attempt))
+        assert [(r.outcome, r.reason) for r in singles] == [(r.outcome, r.reason) for r in batched]
+        assert await task_rows(db, one_task, one_attempt) == await task_rows(
+            db, many_task, many_attempt
+        )
+        if phase is coalesced:
+            assert all(r.outcome is not Outcome.APPLIED for r in batched)
+            async with db.connection() as conn:
+                seq = await conn.fetchval(
+                    "SELECT last_provider_seq FROM task_attempts WHERE id = $1", many_attempt
+                )
+            assert seq == 4  # taught by the second; the two older ones after it are stale
+    async with db.connection() as conn:
+        items = await conn.fetchval(
+            "SELECT count(*) FROM reconciliation_items WHERE task_id = $1", many_task
+        )
+    assert items == 1
 
 
 # -- concurrency and the cursor -------------------------------------------------------------------

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 import asyncpg
@@ -25,9 +25,7 @@ from aivedio.db.queries import q
 from aivedio.domain.observation import (
     Observation,
     ProviderObservation,
-    ProviderStatus,
 )
-from aivedio.domain.statuses import Stage, Status
 from aivedio.domain.transitions import (
     AttemptChange,
     AttemptView,
@@ -36,18 +34,24 @@ from aivedio.domain.transitions import (
     Outcome,
     Reason,
     TaskChange,
-    TaskView,
     decide,
     progress_only,
 )
 from aivedio.errors import AivedioError, DatabaseUnavailable
+from aivedio.state.decided import (
+    Locked,
+    Pending,
+    evolve,
+    locked_from,
+    observed,
+    record_unapplied,
+)
 from aivedio.state.events import (
     PROGRESS_CHANGED,
     STATUS_CHANGED,
     AuditRow,
     EventWritten,
     NewEvent,
-    TaskRef,
     write_event,
     write_events,
 )
@@ -93,105 +97,6 @@ class BatchPartlyFailed(AivedioError):
         self.results = results
 
 
-def task_view(row: asyncpg.Record) -> TaskView:
-    return TaskView(
-        id=row["id"],
-        status=Status(row["status"]),
-        stage=Stage(row["stage"]),
-        progress=row["progress"],
-        version=row["version"],
-        current_attempt_id=row["current_attempt_id"],
-        progress_event_at=row["progress_event_at"],
-        error_code=row["error_code"],
-        error_message=row["error_message"],
-        asset_id=row["asset_id"],
-    )
-
-
-def attempt_view(row: asyncpg.Record) -> AttemptView | None:
-    if row["attempt_id"] is None:
-        return None
-    status = row["provider_status"]
-    return AttemptView(
-        id=row["attempt_id"],
-        provider_status=ProviderStatus(status) if status is not None else None,
-        last_provider_seq=row["last_provider_seq"],
-        last_provider_at=row["last_provider_at"],
-    )
-
-
-@dataclass(frozen=True, slots=True)
-class _Locked:
-    """A locked task as the next observation sees it: the row, or its state evolved in memory
-    by the observations before it in the same batch."""
-
-    ref: TaskRef
-    task: TaskView
-    attempt: AttemptView
-
-
-def _locked(row: asyncpg.Record) -> _Locked:
-    attempt = attempt_view(row)
-    assert attempt is not None  # lock_task(s)_for_attempt(s) start from the attempt
-    ref = TaskRef(row["id"], row["project_id"], row["tenant_id"], row["user_id"])
-    return _Locked(ref, task_view(row), attempt)
-
-
-def _evolve(locked: _Locked, decision: Decision, now: datetime) -> _Locked:
-    """What ``write_event`` / ``record_unapplied`` do to the task and the attempt, in memory
-    (``progress_event_at = now()`` is the transaction's start time)."""
-    attempt = locked.attempt
-    if decision.attempt is not None:
-        attempt = replace(
-            attempt,
-            provider_status=decision.attempt.provider_status,
-            last_provider_seq=decision.attempt.last_provider_seq,
-            last_provider_at=decision.attempt.last_provider_at,
-        )
-    task = locked.task
-    if decision.outcome is Outcome.APPLIED:
-        change = decision.change
-        assert change is not None
-        task = replace(
-            task,
-            status=change.status,
-            stage=change.stage,
-            progress=change.progress,
-            version=task.version + 1,
-            progress_event_at=now if decision.public else task.progress_event_at,
-            error_code=change.error_code,
-            error_message=change.error_message,
-            asset_id=change.asset_id,
-        )
-    return _Locked(locked.ref, task, attempt)
-
-
-@dataclass(frozen=True, slots=True)
-class _Pending:
-    """One decided observation of a batch, waiting for its write."""
-
-    index: int
-    obs: Observation
-    locked: _Locked | None  # before the decision; None: unknown attempt
-    decision: Decision
-
-    @property
-    def order(self) -> uuid.UUID:
-        """Writes go in project order (stream row locks in one order across batches)."""
-        return self.locked.ref.project_id if self.locked is not None else _NO_PROJECT
-
-
-_NO_PROJECT = uuid.UUID(int=0)
-
-
-def _observed(obs: Observation) -> str:
-    if isinstance(obs, ProviderObservation):
-        return str(obs.status)
-    if obs.stage is not None:
-        return f"{obs.kind}:{obs.stage}"
-    return str(obs.kind)
-
-
 class StateService:
     """The only writer of task state."""
 
@@ -235,9 +140,9 @@ class StateService:
             locked or await conn.fetchval(q("lock_task_for_attempt"), obs.attempt_id) is not None
         ):
             row = await conn.fetchrow(q("locked_attempts"), [obs.attempt_id])
-        task = _locked(row) if row is not None else None
+        task = locked_from(row) if row is not None else None
         decision = self._decide(task, obs)
-        return self._count(obs, await self._write(conn, _Pending(0, obs, task, decision)))
+        return self._count(obs, await self._write(conn, Pending(0, obs, task, decision)))
 
     async def apply_many(self, observations: Sequence[Observation]) -> list[ApplyResult]:
         """Apply a batch in one transaction: one COMMIT (one WAL flush) for all of them.
@@ -304,32 +209,32 @@ class StateService:
         rows = await conn.fetch(q("locked_attempts"), attempt_ids)
         now: datetime | None = rows[0]["locked_at"] if rows else None
         by_attempt = {row["attempt_id"]: row for row in rows}
-        tasks: dict[uuid.UUID, _Locked] = {}  # task id -> its state as the batch evolves it
+        tasks: dict[uuid.UUID, Locked] = {}  # task id -> its state as the batch evolves it
         attempts: dict[uuid.UUID, AttemptView] = {}
         for row in rows:
-            first = _locked(row)
+            first = locked_from(row)
             tasks.setdefault(first.ref.task_id, first)
             attempts[first.attempt.id] = first.attempt
-        pending: list[_Pending] = []
+        pending: list[Pending] = []
         for index, obs in enumerate(observations):
             found = by_attempt.get(obs.attempt_id) if obs.attempt_id is not None else None
             if found is None:
-                pending.append(_Pending(index, obs, None, self._decide(None, obs)))
+                pending.append(Pending(index, obs, None, self._decide(None, obs)))
                 continue
             assert now is not None
             current = tasks[found["id"]]
-            view = _Locked(current.ref, current.task, attempts[found["attempt_id"]])
+            view = Locked(current.ref, current.task, attempts[found["attempt_id"]])
             decision = self._decide(view, obs)
-            pending.append(_Pending(index, obs, view, decision))
-            evolved = _evolve(view, decision, now)
+            pending.append(Pending(index, obs, view, decision))
+            evolved = evolve(view, decision, now)
             tasks[found["id"]] = evolved
             attempts[found["attempt_id"]] = evolved.attempt
         return await self._write_batch(conn, pending)
 
     async def _write_batch(
-        self, conn: asyncpg.Connection, pending: list[_Pending]
+        self, conn: asyncpg.Connection, pending: list[Pending]
     ) -> list[ApplyResult]:
-        """Audit rows first, one statement each, in the decided order; then every event in one
+        """Audit rows first, all in one statement, in the decided order; then every event in one
         ``write_events`` statement (the stream rows are locked last, for the shortest time).
 
         An attempt ends with the values of its last attempt change in the batch, from an event
@@ -340,17 +245,21 @@ class StateService:
             if item.locked is not None and item.decision.attempt is not None:
                 final[item.locked.attempt.id] = item.decision.attempt
         results: list[ApplyResult | None] = [None] * len(pending)
-        events: list[tuple[_Pending, NewEvent]] = []
+        events: list[tuple[Pending, NewEvent]] = []
+        unapplied: list[Pending] = []
         for item in pending:
             locked, decision = item.locked, item.decision
             if locked is None or decision.outcome is not Outcome.APPLIED:
-                results[item.index] = await self._write(conn, item)
+                unapplied.append(item)
+                results[item.index] = _unapplied(item)
                 continue
             assert decision.change is not None
             attempt_change = decision.attempt
             if attempt_change is not None:
                 attempt_change = final[locked.attempt.id]
             events.append((item, _new_event(item, locked, decision.change, attempt_change)))
+        if unapplied:
+            await record_unapplied(conn, unapplied)
         events.sort(key=lambda e: e[0].order)  # stable: decided order within a project
         written = await write_events(conn, [event for _, event in events])
         for (item, _), event in zip(events, written, strict=True):
@@ -373,25 +282,23 @@ class StateService:
             raise BatchPartlyFailed(results)
         return [r for r in results if isinstance(r, ApplyResult)]
 
-    def _decide(self, locked: _Locked | None, obs: Observation) -> Decision:
+    def _decide(self, locked: Locked | None, obs: Observation) -> Decision:
         if locked is None:
             return Decision(Outcome.IGNORED, Reason.UNKNOWN_ATTEMPT)
         return decide(locked.task, locked.attempt, obs, self.clock(), self.policy)
 
-    async def _write(self, conn: asyncpg.Connection, item: _Pending) -> ApplyResult:
+    async def _write(self, conn: asyncpg.Connection, item: Pending) -> ApplyResult:
         """The decided observation's write: its event (applied) or its audit row."""
-        obs, locked, decision = item.obs, item.locked, item.decision
-        if locked is None:
-            await self._record(conn, None, obs, decision)
-            return ApplyResult(Outcome.IGNORED, Reason.UNKNOWN_ATTEMPT, None, None, None)
-        task = locked.task
-        if decision.outcome is not Outcome.APPLIED:
-            await self._record(conn, locked, obs, decision)
-            return ApplyResult(decision.outcome, decision.reason, task.id, task.version, None)
+        locked, decision = item.locked, item.decision
+        if locked is None or decision.outcome is not Outcome.APPLIED:
+            await record_unapplied(conn, [item])
+            return _unapplied(item)
         assert decision.change is not None
         event = _new_event(item, locked, decision.change, decision.attempt)
         written = await write_event(conn, event.ref, **event.params())
-        return ApplyResult(Outcome.APPLIED, decision.reason, task.id, written.version, written)
+        return ApplyResult(
+            Outcome.APPLIED, decision.reason, locked.task.id, written.version, written
+        )
 
     @staticmethod
     def _count(obs: Observation, result: ApplyResult) -> ApplyResult:
@@ -399,54 +306,17 @@ class StateService:
         OBSERVATIONS.labels(str(obs.source), str(result.outcome), reason).inc()
         return result
 
-    async def _record(
-        self,
-        conn: asyncpg.Connection,
-        locked: _Locked | None,
-        obs: Observation,
-        decision: Decision,
-    ) -> None:
-        provider = obs if isinstance(obs, ProviderObservation) else None
-        change = decision.attempt
-        detail = None
-        if decision.reconcile is not None:
-            detail = {
-                "observed": _observed(obs),
-                "task_status": str(locked.task.status) if locked is not None else None,
-                "attempt_provider_status": _status_or_none(locked),
-                "source": str(obs.source),
-                "trace_id": obs.trace_id,
-            }
-        task_id = locked.task.id if locked is not None else None
-        attempt_id = obs.attempt_id if locked is not None else None
-        await conn.execute(
-            q("record_unapplied"),
-            task_id,
-            attempt_id,
-            locked.ref.project_id if locked is not None else None,
-            str(decision.outcome),
-            str(decision.reason),
-            str(obs.source),
-            provider.provider if provider else None,
-            _observed(obs),
-            provider.provider_sequence if provider else None,
-            obs.progress,
-            locked.task.version if locked is not None else None,
-            provider.inbox_id if provider else None,
-            provider.dedup_key if provider else None,
-            obs.trace_id,
-            obs.received_at,
-            change is not None,
-            str(change.provider_status) if change and change.provider_status else None,
-            change.last_provider_seq if change else None,
-            change.last_provider_at if change else None,
-            str(decision.reconcile) if decision.reconcile is not None else None,
-            detail,
-        )
+
+def _unapplied(item: Pending) -> ApplyResult:
+    """The result of an observation that changed nothing (``record_unapplied`` writes its row)."""
+    if item.locked is None:
+        return ApplyResult(Outcome.IGNORED, Reason.UNKNOWN_ATTEMPT, None, None, None)
+    task = item.locked.task
+    return ApplyResult(item.decision.outcome, item.decision.reason, task.id, task.version, None)
 
 
 def _new_event(
-    item: _Pending, locked: _Locked, change: TaskChange, attempt_change: AttemptChange | None
+    item: Pending, locked: Locked, change: TaskChange, attempt_change: AttemptChange | None
 ) -> NewEvent:
     obs = item.obs
     provider = obs if isinstance(obs, ProviderObservation) else None
@@ -454,7 +324,7 @@ def _new_event(
     if not item.decision.public:  # a new version, but no public event: its audit row instead
         audit = AuditRow(
             reason=str(item.decision.reason),
-            observed=_observed(obs),
+            observed=observed(obs),
             received_at=obs.received_at,
             provider=provider.provider if provider else None,
             provider_sequence=provider.provider_sequence if provider else None,
@@ -474,12 +344,6 @@ def _new_event(
         audit=audit,
         event_type=PROGRESS_CHANGED if progress_only(locked.task, change) else STATUS_CHANGED,
     )
-
-
-def _status_or_none(locked: _Locked | None) -> str | None:
-    if locked is None or locked.attempt.provider_status is None:
-        return None
-    return str(locked.attempt.provider_status)
 
 
 def _occurred_at(obs: Observation) -> datetime:

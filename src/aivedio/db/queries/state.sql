@@ -127,37 +127,64 @@ SELECT (SELECT epoch FROM stream) AS epoch, (SELECT head FROM stream) AS head,
        (SELECT count(*) FROM task) AS tasks_updated
 
 -- name: record_unapplied
--- An observation that changed nothing: its audit row, what it taught us about the attempt, its
--- reconciliation item (conflicts, stale-attempt results) and the inbox row, in one statement.
--- $1 task  $2 attempt  $3 project  $4 outcome  $5 reason  $6 source  $7 provider  $8 observed
--- $9 provider_sequence  $10 progress  $11 task_version  $12 inbox id  $13 dedup key  $14 trace
--- $15 received_at  $16 record attempt?  $17 provider_status  $18 last_provider_seq
--- $19 last_provider_at  $20 reconciliation kind  $21 reconciliation detail
-WITH audit AS (
+-- Observations that changed nothing, any number in one statement (one round trip for a batch's
+-- stale and ignored ones, where a statement each made an overloaded processor slower still):
+-- element i of every array is one observation, in decided order. Each gets its audit row, what
+-- it taught us about the attempt (an attempt named by several takes the last one's values), its
+-- reconciliation item (conflicts, stale-attempt results; one open item per kind and attempt) and
+-- its inbox row marked processed.
+-- $1 task[]  $2 attempt[]  $3 project[]  $4 outcome[]  $5 reason[]  $6 source[]  $7 provider[]
+-- $8 observed[]  $9 provider_sequence[]  $10 progress[]  $11 task_version[]  $12 inbox id[]
+-- $13 dedup key[]  $14 trace[]  $15 received_at[]  $16 record attempt?[]  $17 provider_status[]
+-- $18 last_provider_seq[]  $19 last_provider_at[]  $20 reconciliation kind[]
+-- $21 reconciliation detail[] (JSON text)
+WITH input AS MATERIALIZED (
+    SELECT *
+    FROM unnest($1::uuid[], $2::uuid[], $3::uuid[], $4::text[], $5::text[], $6::text[],
+                $7::text[], $8::text[], $9::bigint[], $10::smallint[], $11::bigint[],
+                $12::bigint[], $13::text[], $14::text[], $15::timestamptz[], $16::boolean[],
+                $17::text[], $18::bigint[], $19::timestamptz[], $20::text[], $21::text[])
+        WITH ORDINALITY AS i (task_id, attempt_id, project_id, outcome, reason, source,
+                              provider, observed, provider_sequence, progress, task_version,
+                              inbox_id, dedup_key, trace_id, received_at, record_attempt,
+                              provider_status, last_provider_seq, last_provider_at, kind,
+                              detail, ord)
+), audit AS (
     INSERT INTO observation_audit (task_id, attempt_id, project_id, outcome, reason, source,
                                    provider, observed, provider_sequence, progress,
                                    task_version, inbox_id, dedup_key, trace_id, received_at)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)
+    SELECT task_id, attempt_id, project_id, outcome, reason, source, provider, observed,
+           provider_sequence, progress, task_version, inbox_id, dedup_key, trace_id, received_at
+    FROM input
+    ORDER BY ord
     RETURNING id
 ), attempt AS (
-    UPDATE task_attempts
-    SET provider_status = $17, last_provider_seq = $18, last_provider_at = $19, updated_at = now()
-    WHERE id = $2 AND $16::boolean
-    RETURNING id
+    UPDATE task_attempts a
+    SET provider_status = l.provider_status, last_provider_seq = l.last_provider_seq,
+        last_provider_at = l.last_provider_at, updated_at = now()
+    FROM (SELECT DISTINCT ON (attempt_id) *
+          FROM input
+          WHERE record_attempt AND attempt_id IS NOT NULL
+          ORDER BY attempt_id, ord DESC) l
+    WHERE a.id = l.attempt_id
+    RETURNING a.id
 ), item AS (
     INSERT INTO reconciliation_items (kind, task_id, attempt_id, project_id, detail)
-    SELECT $20, $1, $2, $3, $21::jsonb
-    WHERE $20::text IS NOT NULL
+    SELECT kind, task_id, attempt_id, project_id, detail::jsonb
+    FROM input
+    WHERE kind IS NOT NULL
+    ORDER BY ord
     ON CONFLICT (kind, attempt_id) WHERE state = 'open' DO NOTHING
     RETURNING id
 ), inbox AS (
     UPDATE provider_callback_inbox
     SET process_status = 'processed', processed_at = now()
-    WHERE id = $12
+    WHERE id IN (SELECT inbox_id FROM input WHERE inbox_id IS NOT NULL)
       AND process_status <> 'processed'  -- the inbox processor marked it first
     RETURNING id
 )
-SELECT (SELECT id FROM audit) AS audit_id, (SELECT id FROM item) AS item_id
+SELECT (SELECT count(*) FROM audit) AS audits, (SELECT count(*) FROM attempt) AS attempts,
+       (SELECT count(*) FROM item) AS items, (SELECT count(*) FROM inbox) AS inbox
 
 -- name: write_events
 -- apply_many: write_event for a batch of events in one statement, one round trip. Element i of
