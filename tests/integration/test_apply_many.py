@@ -321,13 +321,22 @@ async def task_rows(db: Database, task_id: uuid.UUID, attempt_id: uuid.UUID) -> 
     return [dict(task), dict(attempt), *map(dict, events), *map(dict, audit), *map(dict, items)]
 
 
-async def test_one_task_many_times_in_one_batch_evolves_as_one_by_one(db: Database) -> None:
-    state = StateService(db)
-    asset = uuid.uuid4()
+async def two_tasks(
+    db: Database, state: StateService
+) -> tuple[uuid.UUID, uuid.UUID, uuid.UUID, uuid.UUID]:
+    """A task (and its attempt) in each of two projects: one applied to one by one, the other
+    in batches."""
     one = await make_project(db, tenant="one")
     many = await make_project(db, tenant="many")
     one_task, one_attempt = await make_task(store(db, state), one)
     many_task, many_attempt = await make_task(store(db, state), many)
+    return one_task, one_attempt, many_task, many_attempt
+
+
+async def test_one_task_many_times_in_one_batch_evolves_as_one_by_one(db: Database) -> None:
+    state = StateService(db)
+    asset = uuid.uuid4()
+    one_task, one_attempt, many_task, many_attempt = await two_tasks(db, state)
     singles = [await state.apply(o) for o in lifecycle(one_attempt, asset)]
     batched = await state.apply_many(lifecycle(many_attempt, asset))
     assert [(r.outcome, r.reason, r.task_version) for r in singles] == [
@@ -386,10 +395,7 @@ async def test_batches_of_unapplied_observations_are_audited_as_one_by_one(db: D
     taught it, one open reconciliation item per kind."""
     state = StateService(db)
     asset = uuid.uuid4()
-    one = await make_project(db, tenant="one")
-    many = await make_project(db, tenant="many")
-    one_task, one_attempt = await make_task(store(db, state), one)
-    many_task, many_attempt = await make_task(store(db, state), many)
+    one_task, one_attempt, many_task, many_attempt = await two_tasks(db, state)
     for attempt in (one_attempt, many_attempt):
         await state.apply(seen(attempt, ProviderStatus.RUNNING, 0, 10))
     for phase in (coalesced, lambda a: [*lifecycle(a, asset), *contradictions(a)]):
