@@ -34,6 +34,7 @@ from tests.integration.helpers import Project, make_project, make_task, store
 from tests.integration.test_api_database_down import via
 from tests.model import T0, Script, scripts
 from tests.proxy import TcpProxy
+from tests.unit.test_transitions import prov
 
 CURRENT = uuid.UUID(int=1)
 OLD = uuid.UUID(int=2)
@@ -352,28 +353,14 @@ async def test_one_task_many_times_in_one_batch_evolves_as_one_by_one(db: Databa
     )
 
 
-def seen(
-    attempt_id: uuid.UUID, status: ProviderStatus, seq: int, progress: int | None = None
-) -> Observation:
-    return ProviderObservation(
-        provider="sandbox",
-        attempt_id=attempt_id,
-        status=status,
-        source=Source.WEBHOOK,
-        provider_sequence=seq,
-        progress=progress,
-        provider_occurred_at=RECEIVED,
-    )
-
-
 def coalesced(attempt_id: uuid.UUID) -> list[Observation]:
     """On a task running at 10 %: steps too small to write (each teaches the attempt its
     sequence), one older than them, one for an attempt nobody knows."""
     return [
-        seen(attempt_id, ProviderStatus.RUNNING, 2, 11),
-        seen(attempt_id, ProviderStatus.RUNNING, 4, 13),
-        seen(attempt_id, ProviderStatus.RUNNING, 1, 30),
-        seen(attempt_id, ProviderStatus.RUNNING, 3, 12),
+        prov(ProviderStatus.RUNNING, seq=2, progress=11, attempt_id=attempt_id),
+        prov(ProviderStatus.RUNNING, seq=4, progress=13, attempt_id=attempt_id),
+        prov(ProviderStatus.RUNNING, seq=1, progress=30, attempt_id=attempt_id),
+        prov(ProviderStatus.RUNNING, seq=3, progress=12, attempt_id=attempt_id),
         running(uuid.uuid4(), 50),
     ]
 
@@ -382,10 +369,10 @@ def contradictions(attempt_id: uuid.UUID) -> list[Observation]:
     """On a finished task: late progress, two contradicting terminals (one open item), the
     terminal again."""
     return [
-        seen(attempt_id, ProviderStatus.RUNNING, 7, 20),
-        seen(attempt_id, ProviderStatus.FAILED, 8),
-        seen(attempt_id, ProviderStatus.FAILED, 9),
-        seen(attempt_id, ProviderStatus.SUCCEEDED, 10),
+        prov(ProviderStatus.RUNNING, seq=7, progress=20, attempt_id=attempt_id),
+        prov(ProviderStatus.FAILED, seq=8, attempt_id=attempt_id),
+        prov(ProviderStatus.FAILED, seq=9, attempt_id=attempt_id),
+        prov(ProviderStatus.SUCCEEDED, seq=10, attempt_id=attempt_id),
     ]
 
 
@@ -397,7 +384,7 @@ async def test_batches_of_unapplied_observations_are_audited_as_one_by_one(db: D
     asset = uuid.uuid4()
     one_task, one_attempt, many_task, many_attempt = await two_tasks(db, state)
     for attempt in (one_attempt, many_attempt):
-        await state.apply(seen(attempt, ProviderStatus.RUNNING, 0, 10))
+        await state.apply(prov(ProviderStatus.RUNNING, seq=0, progress=10, attempt_id=attempt))
     for phase in (coalesced, lambda a: [*lifecycle(a, asset), *contradictions(a)]):
         singles = [await state.apply(o) for o in phase(one_attempt)]
         batched = await state.apply_many(phase(many_attempt))

@@ -136,11 +136,8 @@ async def record_unapplied(conn: asyncpg.Connection, items: Sequence[Pending]) -
     """The audit rows of observations that changed nothing, in decided order: ONE
     ``record_unapplied`` statement for all of them (a batch's stale rows took a round trip
     each)."""
-    columns: list[list[object]] = [[] for _ in range(21)]
-    for item in items:
-        for column, value in zip(columns, _audit_values(item), strict=True):
-            column.append(value)
-    await conn.execute(q("record_unapplied"), *columns)
+    rows = [_audit_values(item) for item in items]
+    await conn.execute(q("record_unapplied"), *(list(column) for column in zip(*rows, strict=True)))
 
 
 def _audit_values(item: Pending) -> tuple[object, ...]:
