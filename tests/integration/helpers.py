@@ -129,3 +129,37 @@ class CutAfter:
             return answer
 
         return wrapped
+
+
+class Notifications:
+    """The notifications sent on ``channel`` while a consumer sleeps holding ``lock_key`` (a
+    session of this test holds it, as an idle relay or inbox processor would: what makes the
+    triggers notify at all)."""
+
+    def __init__(self, listening: Any, holding: Any) -> None:
+        self._listening = listening
+        self._holding = holding
+        self.received: list[str] = []
+
+    def _on_notify(self, *args: Any) -> None:
+        self.received.append(str(args[2]))
+
+    async def count(self) -> int:
+        """How many arrived for what committed before this call: PostgreSQL sends a session's
+        pending notifications before it answers its next statement, and asyncpg calls the
+        listener before it hands over that answer."""
+        await self._listening.fetchval("SELECT 1")
+        return len(self.received)
+
+
+@asynccontextmanager
+async def notifications(db: Database, channel: str, lock_key: int) -> AsyncIterator[Notifications]:
+    listening, holding = await db.session(), await db.session()
+    try:
+        seen = Notifications(listening, holding)
+        await listening.add_listener(channel, seen._on_notify)
+        await holding.execute("SELECT pg_advisory_lock($1)", lock_key)
+        yield seen
+    finally:
+        await listening.close()
+        await holding.close()

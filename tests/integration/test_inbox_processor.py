@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import json
 import os
 import time
@@ -28,18 +29,27 @@ from starlette.applications import Starlette
 from aivedio.db.handoff import Handoff
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
+from aivedio.db.wakeup import Signal
 from aivedio.domain.observation import Observation, ProviderStatus
 from aivedio.ingest.gateway import CallbackConfig, callback_routes
 from aivedio.ingest.group_commit import InboxWriter
 from aivedio.ingest.processor import IDLE_LOCK, InboxConfig, InboxProcessor
 from aivedio.ingest.retries import list_dead_letters, replay
+from aivedio.propagation import relay
 from aivedio.providers.kling import KlingAdapter
 from aivedio.providers.port import ProviderAdapter, SubmitRequest
 from aivedio.providers.registry import callback_providers, versioned
 from aivedio.providers.sandbox import SandboxAdapter
 from aivedio.sandbox import SandboxConfig, create_app
 from aivedio.state.service import ApplyResult, StateService
-from tests.integration.helpers import Project, holds_advisory_lock, make_project, make_task, store
+from tests.integration.helpers import (
+    Project,
+    holds_advisory_lock,
+    make_project,
+    make_task,
+    notifications,
+    store,
+)
 from tests.integration.test_lock_freshness import waiting_for_a_lock, webhook
 from tests.integration.test_sandbox_provider import free_socket, run_app
 from tests.waiting import eventually
@@ -437,7 +447,7 @@ async def test_the_take_locks_the_tasks_of_the_rows_it_takes_and_no_others(env: 
         )
     async with env.db.transaction() as conn:
         taken = await conn.fetch(
-            q("inbox_take_claimed"), [ours, lost], token, [ours_attempt, lost_attempt]
+            q("inbox_take_claimed"), [ours, lost], token, [ours_attempt, lost_attempt], "off"
         )
         assert [r["id"] for r in taken] == [ours]
         async with env.db.connection() as other:
@@ -1081,3 +1091,23 @@ async def test_a_processor_with_handed_rows_still_claims_the_table(
     assert await handed_processor(env, handoff, seen).process_once() == 2
     assert await env.status(table_task) == "running"
     assert await env.status(handed_task) == "running"
+
+
+async def test_an_apply_notifies_no_relay_while_its_process_s_relay_listens(env: Env) -> None:
+    """While an outbox relay of the processor's process listens to its signal, the apply
+    transaction says so to the outbox trigger, which sends no NOTIFY: that relay is kicked in
+    memory, and a notification would wake every other relay for rows that are not theirs
+    (migration 0018). Without a listener the rows notify, as any writer's."""
+    for n, listens in enumerate((True, False)):
+        await env.task(provider_task_id=f"gen_quiet_{n}")
+        kicks: list[int] = []
+        applied = Signal()
+        if listens:
+            applied.subscribe(functools.partial(kicks.append, 1))
+        processor = InboxProcessor(env.db, env.state, env.adapters, FAST, applied=applied)
+        async with notifications(env.db, relay.NOTIFY_CHANNEL, relay.IDLE_LOCK) as sent:
+            response = await env.post_sandbox(generation(f"gen_quiet_{n}", "running", 2))
+            assert response.status_code == 204
+            assert await drain(processor) == 1
+            assert await sent.count() == (0 if listens else 1)
+        assert kicks == ([1] if listens else [])

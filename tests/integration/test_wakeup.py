@@ -1,10 +1,11 @@
 """The idle consumers' sleep (``aivedio.db.wakeup.IdleListener``) on real PostgreSQL: two
 consumers of one table, one asleep holding the idle lock, the other asleep beside it; kicks are
-never lost."""
+never lost; writers whose consumer is kicked in memory notify no other."""
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 
 import pytest
@@ -13,7 +14,9 @@ from aivedio.db.pool import Database
 from aivedio.db.queries import q
 from aivedio.db.wakeup import IdleListener
 from aivedio.ingest.processor import IDLE_LOCK, NOTIFY_CHANNEL
-from tests.integration.helpers import holds_advisory_lock
+from aivedio.propagation.relay import IDLE_LOCK as OUTBOX_LOCK
+from aivedio.propagation.relay import NOTIFY_CHANNEL as OUTBOX_CHANNEL
+from tests.integration.helpers import holds_advisory_lock, notifications
 from tests.waiting import eventually
 
 
@@ -95,3 +98,52 @@ async def test_a_kick_before_the_sleep_is_not_lost(
     job = await asleep(consumer, stopping)  # the kick counted once: now it sleeps
     stopping.set()
     await job
+
+
+async def test_only_callbacks_not_handed_to_a_processor_notify(db: Database) -> None:
+    """A callback stored leased is handed to the inbox processor of its process in memory
+    (aivedio.db.handoff): no other processor may claim it, so its INSERT wakes none of them
+    (migration 0018); one stored unleased wakes the sleeping processors."""
+    insert = (
+        "INSERT INTO provider_callback_inbox (provider, dedup_key, payload_hash, lease_token,"
+        " lease_until) VALUES ('sandbox', $1, '\\x00', $2, now() + interval '1 minute')"
+    )
+    async with notifications(db, NOTIFY_CHANNEL, IDLE_LOCK) as sent, db.connection() as conn:
+        await conn.execute(insert, "handed", uuid.uuid4())
+        assert await sent.count() == 0
+        await conn.execute(insert, "unleased", None)
+        assert await sent.count() == 1
+
+
+async def test_an_outbox_write_marked_as_kicking_its_relay_notifies_no_relay(
+    db: Database,
+) -> None:
+    """The inbox processor marks its apply transaction when an outbox relay of its process
+    listens to its signal (queries/inbox.sql inbox_take_claimed): that relay is kicked in
+    memory, so the outbox rows wake no other; an unmarked writer's rows notify."""
+    insert = (
+        "INSERT INTO outbox_events (aggregate_type, aggregate_id, aggregate_version, event_type,"
+        " payload, next_retry_at) VALUES ('task', $1, 1, 'test.quiet', '{}',"
+        " now() + interval '1 hour')"  # parked: nothing here publishes it
+    )
+    async with notifications(db, OUTBOX_CHANNEL, OUTBOX_LOCK) as sent:
+        async with db.transaction() as conn:
+            await conn.execute("SELECT set_config('aivedio.relay_kicked', 'on', true)")
+            await conn.execute(insert, uuid.uuid4())
+        assert await sent.count() == 0
+        async with db.transaction() as conn:  # the mark was the transaction's only
+            await conn.execute(insert, uuid.uuid4())
+        assert await sent.count() == 1
+
+
+async def test_a_nap_ends_with_a_kick_and_says_whether_one_came(
+    pair: tuple[IdleListener, IdleListener],
+) -> None:
+    consumer, _ = pair
+    consumer.kick()
+    assert await consumer.nap(asyncio.Event(), 3600.0)  # at once: the kick came before
+    assert not await consumer.nap(asyncio.Event(), 0.001)  # the kick counted once
+    stopping = asyncio.Event()
+    napping = asyncio.create_task(consumer.nap(stopping, 3600.0))
+    consumer.kick()
+    assert await asyncio.wait_for(napping, 20)  # the bound only names a hang as a failure

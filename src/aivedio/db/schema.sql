@@ -140,10 +140,12 @@ CREATE INDEX idx_callback_inbox_dead ON provider_callback_inbox (id)
     WHERE process_status = 'dead';
 
 -- Wakes an idle inbox processor (LISTEN aivedio_inbox); notifies only while a processor holds
--- advisory lock 1229865560, see migrations 0003 and 0009.
+-- advisory lock 1229865560, see migrations 0003 and 0009, and only for rows not stored leased
+-- (handed to a processor in memory: migration 0018).
 CREATE FUNCTION aivedio_inbox_notify() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    IF NOT pg_try_advisory_xact_lock_shared(1229865560) THEN
+    IF EXISTS (SELECT 1 FROM new_rows WHERE lease_token IS NULL)
+       AND NOT pg_try_advisory_xact_lock_shared(1229865560) THEN
         PERFORM pg_notify('aivedio_inbox', '');
     END IF;
     RETURN NULL;
@@ -151,6 +153,7 @@ END
 $$;
 
 CREATE TRIGGER trg_inbox_notify AFTER INSERT ON provider_callback_inbox
+    REFERENCING NEW TABLE AS new_rows
     FOR EACH STATEMENT EXECUTE FUNCTION aivedio_inbox_notify();
 
 -- The inbox claim (queries/inbox.sql): due rows by a plain index scan, found again by primary
@@ -256,10 +259,12 @@ CREATE INDEX idx_outbox_pending_aggregate ON outbox_events (aggregate_id, id)
     WHERE publish_status = 'pending';
 
 -- Wakes an idle outbox relay (LISTEN aivedio_outbox); notifies only while a relay holds advisory
--- lock 1330992194, see migration 0003 for why.
+-- lock 1330992194, see migration 0003 for why; not for a writer that kicks the relay of its own
+-- process in memory and says so (migration 0018).
 CREATE FUNCTION aivedio_outbox_notify() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    IF NOT pg_try_advisory_xact_lock_shared(1330992194) THEN
+    IF current_setting('aivedio.relay_kicked', true) IS DISTINCT FROM 'on'
+       AND NOT pg_try_advisory_xact_lock_shared(1330992194) THEN
         PERFORM pg_notify('aivedio_outbox', '');
     END IF;
     RETURN NULL;

@@ -19,13 +19,22 @@ Across processes: LISTEN/NOTIFY, gated by an advisory lock
     triggers; docs/explanation/propagation.md the argument.
 
 Two consumers of one table (a relay, or an inbox processor, in each of two processes)
-    Only one can sleep holding the lock. The other waits for it at most ``LOCK_WAIT_MS``; if
-    then a sleeping consumer holds it (``pg_locks``), writers are notifying already, so it
-    sleeps listening without the lock, after a re-check, and a kick or a notification wakes it.
+    Only one can sleep holding the lock. The other only tries to take it; if a sleeping
+    consumer holds it (``pg_locks``), writers are notifying already, so it sleeps listening
+    without the lock, after a re-check, and a kick or a notification wakes it; if writers hold
+    it (shared, until they commit), it waits ``LOCK_WAIT_MS`` or for a kick, then looks for work.
     It used to wait for the lock, which a sleeper holds for up to ``poll_s``, deaf to kicks the
     whole time: a callback handed to its inbox processor in memory, which no other processor
     can see, then waited up to 0.5 s (``bench e2e``, two ``--role all`` processes: p99 about
-    500 ms at 20 and at 500 webhooks/s).
+    500 ms at 20 and at 500 webhooks/s); then at most ``LOCK_WAIT_MS``, still deaf, which became
+    the wait of most wake-ups once writers that kick their own consumer stopped notifying
+    (migration 0018): at 100 webhooks/s the `applied` and `relayed` stages grew from 1-3 to
+    9-11 ms p50.
+
+Writers whose consumer is woken in memory do not notify (migration 0018): callbacks stored leased
+to the inbox processor of their process (aivedio.db.handoff), and the inbox processor's apply
+transactions while an outbox relay of its process listens to its ``Signal``. Their notifications
+woke every sleeping consumer of both processes for rows that were another's.
 
 A kick is never lost: ``sleep`` returns at once when one came since the consumer last woke (the
 event is cleared when a sleep ends, just before the consumer looks for work), whatever the sleep
@@ -51,8 +60,9 @@ from aivedio.logs import log
 __all__ = ["DB_ERRORS", "LOCK_WAIT_MS", "IdleListener", "Signal", "wait_any"]
 
 LOCK_WAIT_MS = 20
-"""How long a consumer about to sleep waits for the idle lock: longer than a writer's transaction
-holds it shared, far shorter than a sleeping consumer holds it."""
+"""How long a consumer about to sleep, finding the idle lock held by writers only, waits (or
+until a kick) before it looks for work again: longer than a writer's transaction holds it
+shared, far shorter than a sleeping consumer holds it."""
 
 _SLEEPER_HOLDS = """
 SELECT EXISTS (
@@ -104,6 +114,11 @@ class Signal:
         if callback in self._subscribers:
             self._subscribers.remove(callback)
 
+    @property
+    def subscribed(self) -> bool:
+        """Whether a consumer of this process listens (a fire would reach it)."""
+        return bool(self._subscribers)
+
     def fire(self) -> None:
         for callback in self._subscribers:
             callback()
@@ -147,6 +162,15 @@ class IdleListener:
         """The consumer's last round found work."""
         self._busy_rechecks = 0
 
+    async def nap(self, stopping: asyncio.Event, timeout: float) -> bool:  # noqa: ASYNC109
+        """Wait up to ``timeout`` for a kick (or a notification to the listening connection)
+        without a statement: whether one came (then the consumer looks for work at once). A
+        busy consumer naps between rounds instead of taking the idle lock and re-checking for
+        work each time: its process's commits kick it anyway."""
+        if not self._wake.is_set():
+            await wait_any(stopping, timeout, self._wake)
+        return self._kicked()
+
     async def sleep(self, stopping: asyncio.Event) -> None:
         """Wait for a kick, a NOTIFY or ``poll_s``, holding the idle lock (or listening while
         another consumer holds it); see the module doc. Returns at once after a kick that came
@@ -167,15 +191,16 @@ class IdleListener:
             await self._wait(stopping)
             return
         try:
-            # Bounded by lock_timeout (LOCK_WAIT_MS): in-flight writers hold it shared only until
-            # they commit; another consumer may be asleep holding it.
-            await listener.execute("SELECT pg_advisory_lock($1)", self.lock_key)
-        except asyncpg.LockNotAvailableError:
-            await self._sleep_beside(listener, stopping)
-            return
+            # Not waited for: another consumer may be asleep holding it, or in-flight writers
+            # hold it shared until they commit (_sleep_beside tells which, and waits for a kick
+            # meanwhile, which a statement waiting for the lock could not).
+            locked = await listener.fetchval("SELECT pg_try_advisory_lock($1)", self.lock_key)
         except DB_ERRORS as exc:
             self._lost(exc)
             await self._drop()
+            return
+        if not locked:
+            await self._sleep_beside(listener, stopping)
             return
         try:
             # A writer that committed before we held the lock did not notify: look once more.
@@ -200,13 +225,14 @@ class IdleListener:
                 await wait_any(stopping, min(0.001 * self._busy_rechecks, 0.02))
 
     async def _sleep_beside(self, listener: asyncpg.Connection, stopping: asyncio.Event) -> None:
-        """The lock was not ours within LOCK_WAIT_MS. If a sleeping consumer holds it, writers
-        notify, and this listening connection gets the notifications too: look once more, then
-        sleep without the lock. If only writers hold it (shared, past LOCK_WAIT_MS), return: the
+        """The lock was not free. If a sleeping consumer holds it, writers notify, and this
+        listening connection gets the notifications too: look once more, then sleep without the
+        lock. If only writers hold it (shared), wait LOCK_WAIT_MS or for a kick, and return: the
         consumer looks for work and the next sleep tries the lock again."""
         key = self.lock_key
         try:
             if not await listener.fetchval(_SLEEPER_HOLDS, key >> 32, key & 0xFFFFFFFF):
+                await wait_any(stopping, LOCK_WAIT_MS / 1000, self._wake)
                 return
             if await listener.fetchval(self.has_work_sql):
                 return
@@ -244,7 +270,6 @@ class IdleListener:
             log(logger, logging.WARNING, f"{self.name} listener cannot connect", error=repr(exc))
             return None
         try:
-            await conn.execute(f"SET lock_timeout = {LOCK_WAIT_MS}")
             await conn.add_listener(self.channel, self._on_notify)
         except DB_ERRORS as exc:
             log(logger, logging.WARNING, f"{self.name} listener setup failed", error=repr(exc))

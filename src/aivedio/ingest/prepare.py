@@ -21,6 +21,7 @@ from prometheus_client import Counter
 from aivedio.db.handoff import HandedRow
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
+from aivedio.db.wakeup import Signal
 from aivedio.domain.observation import ProviderObservation
 from aivedio.providers.port import (
     InboxFields,
@@ -161,16 +162,23 @@ class Ready:
 
 
 async def take_claimed(
-    conn: asyncpg.Connection, group: Sequence[Ready], token: uuid.UUID
+    conn: asyncpg.Connection,
+    group: Sequence[Ready],
+    token: uuid.UUID,
+    applied: Signal | None = None,
 ) -> list[asyncpg.Record]:
     """In the apply transaction: the rows of ``group`` still leased under ``token`` marked
     processed, and the tasks of their attempts locked (``inbox_take_claimed``), so the state
-    service applies them with ``locked=True``. The rows taken, as records with an ``id``."""
+    service applies them with ``locked=True``. The rows taken, as records with an ``id``.
+    ``applied``: the signal fired after the commit; while an outbox relay of this process
+    listens to it, the transaction's outbox rows notify no relay (migration 0018)."""
+    kicked = applied is not None and applied.subscribed
     return await conn.fetch(
         q("inbox_take_claimed"),
         [ready.row["id"] for ready in group],
         token,
         [ready.attempt.id for ready in group],
+        "on" if kicked else "off",
     )
 
 

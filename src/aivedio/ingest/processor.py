@@ -61,7 +61,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -71,7 +71,7 @@ from aivedio.db.handoff import HandedRow, Handoff
 from aivedio.db.leases import LeftLeases
 from aivedio.db.pool import Database
 from aivedio.db.queries import q
-from aivedio.db.wakeup import IdleListener, wait_any
+from aivedio.db.wakeup import IdleListener, Signal, wait_any
 from aivedio.domain.observation import PROVIDER_TERMINAL, Source
 from aivedio.errors import DatabaseUnavailable
 from aivedio.ingest.prepare import (
@@ -151,15 +151,17 @@ class InboxProcessor:
         adapters: Mapping[str, ProviderAdapter],
         config: InboxConfig | None = None,
         *,
-        on_applied: Callable[[], None] | None = None,
+        applied: Signal | None = None,
         handoff: Handoff | None = None,
     ) -> None:
         self.db = db
         self._handoff = handoff
         """Rows this process's group commit stored leased to this processor (module doc)."""
         self._claim_due = 0.0  # monotonic time of the next claim from the table while handed to
-        self._on_applied = on_applied
-        """Called after a commit that wrote events (wakes the outbox relay of this process)."""
+        self._applied = applied
+        """Fired after a commit that wrote events: it wakes the outbox relay of this process.
+        While a relay listens to it, the apply transactions say so to the outbox trigger, which
+        then sends no NOTIFY to the other relays (``take_claimed``, migration 0018)."""
         self.state = state
         self.adapters = dict(adapters)
         self.config = config or InboxConfig()
@@ -361,7 +363,7 @@ class InboxProcessor:
         group.sort(key=lambda ready: ready.row["id"])
         try:
             async with self.db.transaction() as conn:
-                ours = {r["id"] for r in await take_claimed(conn, group, token)}
+                ours = {r["id"] for r in await take_claimed(conn, group, token, self._applied)}
                 live = [ready for ready in group if ready.row["id"] in ours]
                 observations = [ready.obs for ready in live]
                 results = await self.state.apply_many_in(conn, observations, locked=True)
@@ -399,7 +401,7 @@ class InboxProcessor:
         trace = trace_id_var.set(row["trace_id"])
         try:
             async with self.db.transaction() as conn:
-                if not await take_claimed(conn, [ready], token):
+                if not await take_claimed(conn, [ready], token, self._applied):
                     log(logger, logging.INFO, "inbox row taken over", inbox_id=row["id"])
                     return
                 result = await self.state.apply_in(conn, ready.obs, locked=True)
@@ -426,8 +428,8 @@ class InboxProcessor:
             self.left.add(row["id"], token)
 
     def _committed(self, results: list[ApplyResult]) -> None:
-        if self._on_applied is not None and any(r.event is not None for r in results):
-            self._on_applied()
+        if self._applied is not None and any(r.event is not None for r in results):
+            self._applied.fire()
 
     def _processed(self, ready: Ready, result: ApplyResult) -> None:
         row = ready.row

@@ -48,7 +48,7 @@ async def inbox_role(rt: Runtime) -> RoleParts:
             lease_s=rt.settings.inbox_lease_s,
             confirm_terminals=rt.settings.inbox_confirm_terminals,
         ),
-        on_applied=rt.wakeups.outbox.fire,
+        applied=rt.wakeups.outbox,
         handoff=rt.wakeups.inbox_rows,
     )
 

@@ -16,8 +16,9 @@ propagation.md`` has the argument). The price: a task with k pending events need
 Waking: after an empty round the relay sleeps in :class:`aivedio.db.wakeup.IdleListener` on
 ``LISTEN aivedio_outbox`` holding advisory lock :data:`IDLE_LOCK`; the insert trigger notifies
 only while that lock is held (see migration 0003), and the relay re-checks for work once it holds
-the lock. A poll every ``poll_interval_s`` is the safety net (lost connection, rows whose retry
-became due).
+the lock; a commit of the inbox processor of its process kicks it in memory instead, and sends
+no NOTIFY (migration 0018). A busy relay naps for that kick between rounds. A poll every
+``poll_interval_s`` is the safety net (lost connection, rows whose retry became due).
 """
 
 from __future__ import annotations
@@ -145,6 +146,11 @@ class RelayConfig:
     # by this relay and drained (0: never; autovacuum only). See ``_vacuum``.
     vacuum_after_rows: int = 10_000
     stats_interval_s: float = 5.0  # backlog gauges
+    kick_wait_s: float = 0.02
+    """After a round that took all it found, how long the relay waits for a kick (its process's
+    next commit) before it falls asleep with the statements that takes (``IdleListener``). Rows
+    of writers that do not kick wait at most this long for the re-check, unless a round takes
+    them first (a round claims every due row, whoever wrote it)."""
     # The outbox row's event_type -> bus topic: progress-only versions (state.events) go to a
     # topic of their own, which only the dispatcher reads (propagation.dispatcher).
     topics: Mapping[str, str] = field(
@@ -312,9 +318,9 @@ class OutboxRelay:
     # -- the loop ----------------------------------------------------------------------------
 
     async def run(self, stopping: asyncio.Event) -> None:
-        """Pump until ``stopping``: again at once after a non-empty round; after an empty one,
-        sleep until a writer's NOTIFY (or a kick) wakes it (``IdleListener``, which waits at
-        most ``LOCK_WAIT_MS`` for the idle lock that in-flight writers hold shared).
+        """Pump until ``stopping``: again at once after a full round; after a round that took
+        all it found, nap for a kick (``kick_wait_s``); after an empty one, or a nap that no
+        kick ended, sleep until a writer's NOTIFY (or a kick) wakes it (``IdleListener``).
 
         There was a busy poll here (``outbox_has_work`` every 2 ms for 50 ms after a publish),
         from when falling asleep waited for the slowest writer in flight. Since that wait is
@@ -349,7 +355,10 @@ class OutboxRelay:
                     self.idle.worked()
                     if result.broker_down:
                         await wait_any(stopping, cfg.broker_pause_s)
-                    continue
+                    if result.claimed == cfg.batch_size or result.broker_down:
+                        continue  # more is likely there: claim again at once
+                    if await self.idle.nap(stopping, cfg.kick_wait_s):
+                        continue
                 await self.idle.sleep(stopping)
         finally:
             stats.cancel()

@@ -18,7 +18,9 @@ FROM aivedio_inbox_claim($1, $2, $3)
 -- One statement, one round trip, where a take and a lock were two. The transaction commits it
 -- with the rows' effects or rolls it all back. A row another processor took over is not returned,
 -- and its task is not locked. (The state service's own inbox update then finds the rows
--- processed and writes nothing more.)
+-- processed and writes nothing more.) $4 'on' when the processor's process will kick its outbox
+-- relay after the commit: the transaction's outbox rows then send no NOTIFY (migration 0018);
+-- set for the transaction, once a row is taken (nothing is written otherwise).
 WITH mine AS (
     SELECT id FROM provider_callback_inbox
     WHERE id = ANY($1::bigint[]) AND lease_token = $2
@@ -44,7 +46,9 @@ WITH mine AS (
 )
 -- tasks_locked is read by no caller: a WITH query that nothing references is never run, so
 -- the SELECT names it to take the task locks (tested: without it, no task is locked).
-SELECT taken.id, (SELECT count(*) FROM tasks) AS tasks_locked FROM taken
+SELECT taken.id, (SELECT count(*) FROM tasks) AS tasks_locked,
+       (SELECT set_config('aivedio.relay_kicked', $4::text, true)) AS relay_kicked
+FROM taken
 
 -- name: inbox_release
 -- A stopping processor gives back the leases of the rows handed to it in memory that it never
