@@ -136,9 +136,8 @@ class Notifications:
     session of this test holds it, as an idle relay or inbox processor would: what makes the
     triggers notify at all)."""
 
-    def __init__(self, listening: Any, holding: Any) -> None:
+    def __init__(self, listening: Any) -> None:
         self._listening = listening
-        self._holding = holding
         self.received: list[str] = []
 
     def _on_notify(self, *args: Any) -> None:
@@ -156,7 +155,7 @@ class Notifications:
 async def notifications(db: Database, channel: str, lock_key: int) -> AsyncIterator[Notifications]:
     listening, holding = await db.session(), await db.session()
     try:
-        seen = Notifications(listening, holding)
+        seen = Notifications(listening)
         await listening.add_listener(channel, seen._on_notify)
         await holding.execute("SELECT pg_advisory_lock($1)", lock_key)
         yield seen
