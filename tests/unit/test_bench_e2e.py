@@ -21,8 +21,9 @@ from aivedio.bench.common import BenchUsageError, percentile
 from aivedio.bench.e2e_clients import _Client, _Reader
 from aivedio.bench.e2e_deploy import RunBus, socket_owners
 from aivedio.bench.e2e_load import Generation, LoadResult, _Sender, build_requests
-from aivedio.bench.e2e_report import at_rate
+from aivedio.bench.e2e_report import TOP_STATEMENTS, _calls, _print_statements, at_rate
 from aivedio.bench.e2e_run import StepFigures
+from aivedio.bench.pg_statements import StatementFigures
 from aivedio.bench.e2e_schedule import (
     STAGES,
     Cursor,
@@ -154,6 +155,20 @@ def test_headline_step_is_the_nearest_rate() -> None:
     assert at_rate(steps, 1000.0) is steps[1]  # a tie goes to the higher rate
     assert at_rate(steps, 1900.0) is steps[2]
     assert at_rate([], 1000.0) is None
+
+
+def test_the_statements_table_shows_the_top_and_counts_all(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    figures = [StatementFigures(f"q{i}", calls=i + 1, exec_ms=100.0 - i, rows=i) for i in range(11)]
+    step = StepFigures(asked=500.0, sent=10, statements=figures)
+    _print_statements(step)
+    out = capsys.readouterr().out
+    shown = [f"q{i}" for i in range(11) if f"  q{i}\n" in out]
+    assert shown == [f"q{i}" for i in range(TOP_STATEMENTS)]
+    assert "6.600  " in out and "all 11 statements" in out  # (1 + ... + 11) calls / 10 webhooks
+    assert _calls(step) == 6.6
+    assert _calls(StepFigures(asked=500.0, sent=10)) is None  # the server keeps no figures
 
 
 def test_requests_are_the_sandboxes_signed_webhooks() -> None:

@@ -12,6 +12,7 @@ from aivedio.bench.e2e_schedule import STAGES, saturation
 
 GROUPS = ("aivedio", "naive", "postgres", "nats", "redis", "sandbox", "load", "clients")
 TITLES = {"one": "one project", "many": "many projects"}
+TOP_STATEMENTS = 8  # printed one by one; the total line and the JSON count them all
 
 
 def _f(value: float, digits: int = 1) -> str:
@@ -88,11 +89,17 @@ def _print_statements(s: StepFigures) -> None:
         "(pg_stat_statements, execution time only):"
     )
     print("    exec us/webhook  calls/webhook  rows/call  statement")
-    for st in s.statements:
+    for st in s.statements[:TOP_STATEMENTS]:
         print(
             f"    {st.exec_ms * 1000 / sent:15.1f}  {st.calls / sent:13.3f}  "
             f"{st.rows / max(st.calls, 1):9.1f}  {st.name}"
         )
+    calls = sum(st.calls for st in s.statements)
+    exec_ms = sum(st.exec_ms for st in s.statements)
+    print(
+        f"    {exec_ms * 1000 / sent:15.1f}  {calls / sent:13.3f}  {'':9}  "
+        f"all {len(s.statements)} statements"
+    )
 
 
 def _notes(s: StepFigures) -> list[str]:
@@ -166,6 +173,7 @@ def _headline(fig: ScenarioFigures | None, rate: float, limit_ms: float) -> dict
         "stages_p99_ms": {k: rounded(v["p99"]) for k, v in step.stages.items()},
         "pg_write_xacts_per_event": _per_event(step.pg_write_xacts, step.sent),
         "pg_exec_us_per_event": _statements(step),
+        "pg_calls_per_event": _calls(step),
     }
 
 
@@ -174,6 +182,13 @@ def _statements(step: StepFigures) -> dict[str, float | None] | None:
     if step.statements is None:
         return None
     return {st.name: rounded(st.exec_ms * 1000 / max(step.sent, 1), 1) for st in step.statements}
+
+
+def _calls(step: StepFigures) -> float | None:
+    """Statements per webhook, all of them (pg_stat_statements), if kept."""
+    if step.statements is None:
+        return None
+    return _per_event(sum(st.calls for st in step.statements), step.sent)
 
 
 def _per_event(count: int | None, sent: int) -> float | None:
@@ -213,6 +228,7 @@ def _steps(fig: ScenarioFigures) -> list[dict[str, Any]]:
             "polls": s.polls,
             "pg_write_xacts_per_event": _per_event(s.pg_write_xacts, s.sent),
             "pg_exec_us_per_event": _statements(s),
+            "pg_calls_per_event": _calls(s),
         }
         for s in fig.steps
     ]

@@ -86,8 +86,8 @@ async def snapshot(conn: asyncpg.Connection) -> Snapshot | None:
     return {r["queryid"]: (r["calls"], r["total_exec_time"], r["rows"], r["query"]) for r in rows}
 
 
-def between(before: Snapshot, after: Snapshot, top: int = 8) -> list[StatementFigures]:
-    """What ran between two snapshots, by name, the most execution time first."""
+def between(before: Snapshot, after: Snapshot) -> list[StatementFigures]:
+    """Every statement that ran between two snapshots, by name, the most execution time first."""
     summed: dict[str, list[float]] = {}
     for queryid, (calls, exec_ms, rows, query) in after.items():
         was = before.get(queryid, (0, 0.0, 0, query))
@@ -97,5 +97,5 @@ def between(before: Snapshot, after: Snapshot, top: int = 8) -> list[StatementFi
         acc[0] += calls - was[0]
         acc[1] += exec_ms - was[1]
         acc[2] += rows - was[2]
-    ranked = sorted(summed.items(), key=lambda kv: kv[1][1], reverse=True)[:top]
+    ranked = sorted(summed.items(), key=lambda kv: kv[1][1], reverse=True)
     return [StatementFigures(n, int(c), e, int(r)) for n, (c, e, r) in ranked]
