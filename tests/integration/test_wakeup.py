@@ -147,3 +147,21 @@ async def test_a_nap_ends_with_a_kick_and_says_whether_one_came(
     napping = asyncio.create_task(consumer.nap(stopping, 3600.0))
     consumer.kick()
     assert await asyncio.wait_for(napping, 20)  # the bound only names a hang as a failure
+
+
+async def test_writers_holding_the_lock_send_the_consumer_back_to_work_not_to_sleep(
+    db: Database, pair: tuple[IdleListener, IdleListener]
+) -> None:
+    first, second = pair
+    async with db.connection() as writer, writer.transaction():
+        # What an outbox or inbox trigger takes until its transaction commits.
+        assert await writer.fetchval("SELECT pg_try_advisory_xact_lock_shared($1)", IDLE_LOCK)
+        # Writers will not notify, so a sleep now could miss their rows: the consumer waits
+        # LOCK_WAIT_MS at most and looks again (poll_s is an hour; the bound names a hang).
+        await asyncio.wait_for(first.sleep(asyncio.Event()), 20)
+        assert first.waits == 0
+    stopping = asyncio.Event()  # the consumer's shared try gave the lock back: it is free
+    job = await asleep(second, stopping)
+    assert await holds_advisory_lock(db, IDLE_LOCK)
+    stopping.set()
+    await job
