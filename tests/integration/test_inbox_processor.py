@@ -1029,6 +1029,40 @@ async def test_rows_stored_in_the_table_while_behind_are_claimed_at_the_next_rou
     assert not handoff.claim_wanted()
 
 
+async def test_with_a_handoff_the_table_is_claimed_only_when_it_may_hold_rows(
+    handed: tuple[Env, Handoff],
+) -> None:
+    env, handoff = handed
+    other, _, _ = await env.task(provider_task_id="gen_t1")
+    mine, _, _ = await env.task(provider_task_id="gen_t2")
+    seen: list[int] = []
+    processor = InboxProcessor(
+        env.db,
+        CountingState(env.db, seen),
+        env.adapters,
+        replace(FAST, poll_s=3600.0),  # its own next look at the table: not in this test
+        handoff=handoff,
+    )
+    handoff.attach(FAST.lease_s)
+    assert await processor.process_once() == 0  # an empty claim: the next one is due in poll_s
+    handoff.max_rows = 0  # a row stored unleased, as another process's group commit stores it
+    await env.post_sandbox(generation("gen_t1", "running", 2))
+    assert handoff.claim_wanted()  # this process's writer says so: another's would not
+    handoff.max_rows = 256
+    await env.post_sandbox(generation("gen_t2", "running", 2))  # handed
+    assert await processor.process_once() == 1  # the handed row; no claim after it
+    assert await processor.process_once() == 0  # nothing says the table holds rows
+    assert await env.status(other) == "created" and await env.status(mine) == "running"
+    try:
+        # The sleep's re-check finds the row (poll_s is an hour; the bound names a hang).
+        await asyncio.wait_for(processor.idle.sleep(asyncio.Event()), 20)
+        assert processor.idle.waits == 0
+        assert await processor.process_once() == 1  # so the next round claims it
+    finally:
+        await processor.idle.close()
+    assert await env.status(other) == "running"
+
+
 async def test_rows_of_a_detached_processor_stay_in_the_table(
     handed: tuple[Env, Handoff],
 ) -> None:

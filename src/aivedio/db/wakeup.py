@@ -158,6 +158,7 @@ class IdleListener:
         self._listener: asyncpg.Connection | None = None
         self._unlocking: asyncio.Future[str] | None = None  # the lock's release, in flight
         self._busy_rechecks = 0  # re-checks that saw work another consumer then held
+        self._table_hint = False  # see table_hint
         self.waits = 0
         """How many times the consumer began waiting for a wake-up (tests wait for it)."""
 
@@ -168,6 +169,15 @@ class IdleListener:
     def worked(self) -> None:
         """The consumer's last round found work."""
         self._busy_rechecks = 0
+
+    def table_hint(self) -> bool:
+        """Whether the table may hold work that no kick announced, since the last call (which
+        clears it): a notification came, a re-check found work, writers held the lock (they
+        write rows that notify), or the listening connection was lost (notifications may have
+        been missed). A consumer that kicks bring work in memory (the inbox processor and its
+        handoff) looks at the table only then, or when its own poll is due."""
+        hint, self._table_hint = self._table_hint, False
+        return hint
 
     async def nap(self, stopping: asyncio.Event, timeout: float) -> bool:  # noqa: ASYNC109
         """Wait up to ``timeout`` for a kick (or a notification to the listening connection)
@@ -194,7 +204,8 @@ class IdleListener:
         listener = await self._connect()
         if self._kicked():
             return
-        if listener is None:
+        if listener is None:  # deaf to notifications: the table must be looked at
+            self._table_hint = True
             await self._wait(stopping)
             return
         try:
@@ -211,7 +222,7 @@ class IdleListener:
             return
         try:
             # A writer that committed before we held the lock did not notify: look once more.
-            work = self._wake.is_set() or bool(await listener.fetchval(self.has_work_sql))
+            work = self._wake.is_set() or self._found(await listener.fetchval(self.has_work_sql))
             if work:
                 await listener.execute("SELECT pg_advisory_unlock($1)", self.lock_key)
             else:
@@ -239,10 +250,11 @@ class IdleListener:
         lock. If only writers hold it (shared), wait LOCK_WAIT_MS or for a kick, and return: the
         consumer looks for work and the next sleep tries the lock again."""
         if not sleeper:
+            self._table_hint = True
             await wait_any(stopping, LOCK_WAIT_MS / 1000, self._wake)
             return
         try:
-            if await listener.fetchval(self.has_work_sql):
+            if self._found(await listener.fetchval(self.has_work_sql)):
                 return
         except DB_ERRORS as exc:
             self._lost(exc)
@@ -255,6 +267,11 @@ class IdleListener:
         await wait_any(stopping, self.poll_s, self._wake)
         self._wake.clear()  # the consumer looks for work now: kicks from here on count
 
+    def _found(self, has_work: object) -> bool:
+        if has_work:
+            self._table_hint = True
+        return bool(has_work)
+
     def _kicked(self) -> bool:
         """A kick (or a notification) came since the last sleep ended: clear it, look now."""
         if not self._wake.is_set():
@@ -266,6 +283,7 @@ class IdleListener:
         await self._drop()
 
     def _lost(self, exc: BaseException) -> None:
+        self._table_hint = True
         log(logger, logging.WARNING, f"{self.name} listener lost", error=repr(exc))
 
     async def _connect(self) -> asyncpg.Connection | None:
@@ -287,6 +305,7 @@ class IdleListener:
         return conn
 
     def _on_notify(self, *_: object) -> None:
+        self._table_hint = True
         self._wake.set()
 
     async def _drop(self) -> None:

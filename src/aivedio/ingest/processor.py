@@ -11,10 +11,12 @@ Claim with a lease
 Handed over, no claim
     In a process that also runs the callbacks role, the group commit stores new callbacks
     already leased to this processor and hands them over in memory (:mod:`aivedio.db.handoff`):
-    they skip the claim's statement and its row update. The processor alternates a handed batch
-    and a claim while the table has due rows (retries, orphans, other processes' rows, and rows
-    stored there while it was behind: claimed at its next round), looks at the table at least
-    every ``poll_s`` otherwise, and gives back the leases of rows it never took when it stops.
+    they skip the claim's statement and its row update. The processor claims from the table
+    only when it may hold rows: this process stored some there (it was behind), the last claim
+    found rows (handed and claimed batches then alternate), the sleep saw signs of others'
+    (:meth:`~aivedio.db.wakeup.IdleListener.table_hint`: retries, orphans, other processes'
+    rows), or ``poll_s`` passed since an empty claim. It gives back the leases of rows it
+    never took when it stops.
 One transaction per claim
     Each row is first prepared outside any transaction: normalized, mapped to its attempt (and
     the attempt's project: one statement for the whole claim, ``attempts_for_callbacks``),
@@ -22,15 +24,13 @@ One transaction per claim
     cannot be applied now is deferred alone. The ready rows are then applied in ONE transaction,
     whatever their projects: lock them again *fenced by the token* and mark them processed in
     the same statement (a row whose lease another processor took over is left out, and nothing
-    of it is written; the mark commits with the row's effects or not at all),
-    ``StateService.apply_many_in``
-    in inbox id order (every observation decided as ``apply`` would decide it, against the task
-    as the rows before it left it; tasks locked in task id order, then the stream rows in project
-    id order, the order every writer takes them in, so two processors cannot deadlock; one lock
-    of each stream row and one commit for the whole claim), record the provider task ids that
-    callbacks taught, commit. If it fails for any reason but the database being away, it rolls
-    back and its rows are applied one by one, each in its own transaction, so a bad row goes to
-    retry or dead letter alone and the others commit.
+    of it is written), ``StateService.apply_many_in`` in inbox id order (each observation
+    decided as ``apply`` would, against the task as the rows before it left it; tasks locked in
+    task id order, then the stream rows in project id order, as every writer takes them, so two
+    processors cannot deadlock), record the provider task ids that callbacks taught, commit.
+    If it fails for any reason but the database being away, it rolls back and its rows are
+    applied one by one, each in its own transaction: a bad row goes to retry or dead letter
+    alone and the others commit.
 Mapping
     To the attempt by the callback token's attempt id (unsigned providers: the only
     authenticated id), else by ``(provider, provider_task_id)``, else by ``(provider,
@@ -212,8 +212,7 @@ class InboxProcessor:
                 await conn.execute(q("inbox_release"), [row["id"] for row in rows], token)
 
     async def process_once(self) -> int:
-        """Process the rows handed over, if any, else (or when a claim is due anyway) claim one
-        batch from the table and process it; return how many rows were processed."""
+        """Process the handed rows, then claim a batch if the table is wanted; how many rows."""
         await self.left.give_back(self.db)
         handoff = self._handoff
         handed: list[HandedRow] = []
@@ -221,14 +220,16 @@ class InboxProcessor:
             token, handed = handoff.take(self.config.batch_size)
             if token is not None and handed:
                 await self._process_rows(handed, token)
-            if time.monotonic() < self._claim_due and not handoff.claim_wanted():
-                return len(handed)
+        if handoff is not None and not self._table_wanted(handoff):
+            return len(handed)
         claimed = await self._claim_once()
-        # A claim that found rows is followed by another at once, a batch handed over and a batch
-        # claimed in turn (rows go to the table when this processor is behind: they must not wait
-        # behind the handed ones); after an empty one the table is looked at again in poll_s.
         self._claim_due = 0.0 if claimed else time.monotonic() + self.config.poll_s
         return len(handed) + claimed
+
+    def _table_wanted(self, handoff: Handoff) -> bool:
+        """Whether the table may hold rows (module doc: "Handed over, no claim")."""
+        due = time.monotonic() >= self._claim_due
+        return handoff.claim_wanted() | self.idle.table_hint() | due
 
     async def _claim_once(self) -> int:
         """Claim one batch from the table and process every row of it; how many were claimed."""
