@@ -23,7 +23,6 @@ from aivedio.bench.e2e_deploy import RunBus, socket_owners
 from aivedio.bench.e2e_load import Generation, LoadResult, _Sender, build_requests
 from aivedio.bench.e2e_report import TOP_STATEMENTS, _calls, _print_statements, at_rate
 from aivedio.bench.e2e_run import StepFigures
-from aivedio.bench.pg_statements import StatementFigures
 from aivedio.bench.e2e_schedule import (
     STAGES,
     Cursor,
@@ -35,6 +34,7 @@ from aivedio.bench.e2e_schedule import (
     saturation,
     stage_samples,
 )
+from aivedio.bench.pg_statements import StatementFigures
 from aivedio.config import Settings
 from aivedio.sandbox.config import decode_webhook_secret
 
