@@ -964,8 +964,13 @@ async def handed(env: Env) -> AsyncIterator[tuple[Env, Handoff]]:
         await writer.close()
 
 
-def handed_processor(env: Env, handoff: Handoff, seen: list[int]) -> InboxProcessor:
-    return InboxProcessor(env.db, CountingState(env.db, seen), env.adapters, FAST, handoff=handoff)
+def handed_processor(
+    env: Env, handoff: Handoff, seen: list[int], poll_s: float = FAST.poll_s
+) -> InboxProcessor:
+    config = replace(FAST, poll_s=poll_s)
+    return InboxProcessor(
+        env.db, CountingState(env.db, seen), env.adapters, config, handoff=handoff
+    )
 
 
 async def test_handed_rows_are_stored_leased_and_applied_without_a_claim(
@@ -1012,13 +1017,8 @@ async def test_rows_stored_in_the_table_while_behind_are_claimed_at_the_next_rou
     second, _, _ = await env.task(provider_task_id="gen_n2")
     third, _, _ = await env.task(provider_task_id="gen_n3")
     seen: list[int] = []
-    processor = InboxProcessor(
-        env.db,
-        CountingState(env.db, seen),
-        env.adapters,
-        replace(FAST, poll_s=3600.0),  # its own next look at the table: not in this test
-        handoff=handoff,
-    )
+    # Its own next look at the table (poll_s) is not in this test.
+    processor = handed_processor(env, handoff, seen, poll_s=3600.0)
     handoff.attach(FAST.lease_s)
     await env.post_sandbox(generation("gen_n1", "running", 2))
     assert await processor.process_once() == 1  # handed; the table was empty
@@ -1036,13 +1036,8 @@ async def test_with_a_handoff_the_table_is_claimed_only_when_it_may_hold_rows(
     other, _, _ = await env.task(provider_task_id="gen_t1")
     mine, _, _ = await env.task(provider_task_id="gen_t2")
     seen: list[int] = []
-    processor = InboxProcessor(
-        env.db,
-        CountingState(env.db, seen),
-        env.adapters,
-        replace(FAST, poll_s=3600.0),  # its own next look at the table: not in this test
-        handoff=handoff,
-    )
+    # Its own next look at the table (poll_s) is not in this test.
+    processor = handed_processor(env, handoff, seen, poll_s=3600.0)
     handoff.attach(FAST.lease_s)
     assert await processor.process_once() == 0  # an empty claim: the next one is due in poll_s
     handoff.max_rows = 0  # a row stored unleased, as another process's group commit stores it
