@@ -1058,6 +1058,33 @@ async def test_with_a_handoff_the_table_is_claimed_only_when_it_may_hold_rows(
     assert await env.status(other) == "running"
 
 
+async def test_a_processor_with_a_handoff_asleep_applies_another_process_s_callback(
+    env: Env,
+) -> None:
+    task_id, _, _ = await env.task(provider_task_id="gen_x")
+    seen: list[int] = []
+    # Fed by nothing: its rows would come in memory; env's writer is another process's.
+    processor = handed_processor(env, Handoff(), seen, poll_s=3600.0)
+    stopping = asyncio.Event()
+    job = asyncio.create_task(processor.run(stopping))  # attaches the handoff
+    try:
+        await eventually(
+            lambda: holds_advisory_lock(env.db, IDLE_LOCK),
+            "the processor asleep on the idle lock",
+            20,
+        )
+        await env.post_sandbox(generation("gen_x", "running", 2))  # unleased: it notifies
+
+        async def applied() -> bool:
+            return await env.status(task_id) == "running"
+
+        await eventually(applied, "the callback applied", 20)
+    finally:
+        stopping.set()
+        await job
+    assert len(seen) == 1
+
+
 async def test_rows_of_a_detached_processor_stay_in_the_table(
     handed: tuple[Env, Handoff],
 ) -> None:

@@ -174,8 +174,8 @@ class IdleListener:
         """Whether the table may hold work that no kick announced, since the last call (which
         clears it): a notification came, a re-check found work, writers held the lock (they
         write rows that notify), or the listening connection was lost (notifications may have
-        been missed). A consumer that kicks bring work in memory (the inbox processor and its
-        handoff) looks at the table only then, or when its own poll is due."""
+        been missed). A consumer whose kicks bring its work in memory (the inbox processor with
+        a handoff) looks at the table only then, or when its own poll is due."""
         hint, self._table_hint = self._table_hint, False
         return hint
 
