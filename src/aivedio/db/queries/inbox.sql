@@ -113,7 +113,10 @@ WITH by_task AS (
     SELECT * FROM by_request
 )
 SELECT f.id, f.provider, f.client_request_id, f.provider_task_id, t.project_id
-FROM found f JOIN generation_tasks t ON t.id = f.task_id
+FROM found f
+CROSS JOIN LATERAL (
+    SELECT t.project_id FROM generation_tasks t WHERE t.id = f.task_id LIMIT 1
+) t  -- one probe of the primary key per attempt, for the same reason (generation_tasks)
 
 -- name: attempt_record_provider_task_ids
 -- Callbacks that arrived before the submit response taught attempts ($1) their provider's ids

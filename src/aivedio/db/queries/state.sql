@@ -23,13 +23,18 @@ FOR UPDATE
 -- The attempts $1 (uuid[]) and their tasks, read after lock_task(s)_for_attempts took the task
 -- rows: a new statement sees every commit of the lock's previous holders. locked_at is now()
 -- (the transaction's start time), what write_event stores in progress_event_at, for deciding
--- later observations of a task.
+-- later observations of a task. Each task is one probe of its primary key (LATERAL ... LIMIT 1):
+-- as a join, the planner hashed a seq scan of generation_tasks while the table was small
+-- (issue 11: 177 of 621 calls in `bench e2e` at 500/s, each reading every task and its dead
+-- versions).
 SELECT t.id, t.tenant_id, t.project_id, t.user_id, t.status, t.stage, t.progress, t.version,
        t.current_attempt_id, t.progress_event_at, t.error_code, t.error_message, t.asset_id,
        a.id AS attempt_id, a.provider_status, a.last_provider_seq, a.last_provider_at,
        now() AS locked_at
 FROM task_attempts a
-JOIN generation_tasks t ON t.id = a.task_id
+CROSS JOIN LATERAL (
+    SELECT t.* FROM generation_tasks t WHERE t.id = a.task_id LIMIT 1
+) t
 WHERE a.id = ANY($1::uuid[])
 ORDER BY t.id, a.id
 
@@ -179,7 +184,7 @@ WITH input AS MATERIALIZED (
 ), inbox AS (
     UPDATE provider_callback_inbox
     SET process_status = 'processed', processed_at = now()
-    WHERE id IN (SELECT inbox_id FROM input WHERE inbox_id IS NOT NULL)
+    WHERE id = ANY (ARRAY(SELECT inbox_id FROM input WHERE inbox_id IS NOT NULL))
       AND process_status <> 'processed'  -- the inbox processor marked it first
     RETURNING id
 )
@@ -202,6 +207,12 @@ SELECT (SELECT count(*) FROM audit) AS audits, (SELECT count(*) FROM attempt) AS
 --   values there) and next_poll_at as write_event's CASE applied event after event would leave
 --   it (any terminal: NULL; else any webhook: out to 30 seconds once due within 15).
 -- Returns one row per event, in order (seq and epoch null for a version that is not public).
+-- Rows of existing tables are found by their primary key from arrays of the batch's ids
+-- (= ANY (ARRAY(...))): as joins with the input, the planner hashed seq scans of
+-- generation_tasks and the inbox while they were small, each reading every row and its dead
+-- versions (issue 11: 1,673 scans of generation_tasks in 10 s at 500/s in `bench e2e`, 6 with
+-- the ANY). It stays the planner's choice by cost: a generic plan may still scan a table of a
+-- few hundred rows, and a one-page event_streams is scanned, which costs nothing.
 -- $1 project[]  $2 task[]  $3 attempt[]  $4 new version[]  $5 stored payload[]
 -- $6 source[]  $7 trace[]  $8 status[]  $9 stage[]  $10 progress[]
 -- $11 error_code[]  $12 error_message[]  $13 asset[]  $14 terminal[]  $15 domain payload[]
@@ -226,7 +237,7 @@ WITH input AS MATERIALIZED (
                               audit_dedup_key, event_type, ord)
 ), locked AS MATERIALIZED (
     SELECT project_id FROM event_streams
-    WHERE project_id IN (SELECT project_id FROM input WHERE public)
+    WHERE project_id = ANY (ARRAY(SELECT project_id FROM input WHERE public))
     ORDER BY project_id
     FOR UPDATE
 ), stream AS (
@@ -278,7 +289,8 @@ WITH input AS MATERIALIZED (
         updated_at = now()
     FROM last_event e
     JOIN per_task p ON p.task_id = e.task_id
-    WHERE t.id = e.task_id AND t.version = p.first_version - 1
+    WHERE t.id = ANY (ARRAY(SELECT task_id FROM per_task))
+      AND t.id = e.task_id AND t.version = p.first_version - 1
     RETURNING t.id
 ), per_attempt AS (
     SELECT DISTINCT ON (attempt_id) attempt_id, provider_status, last_provider_seq,
@@ -321,7 +333,7 @@ WITH input AS MATERIALIZED (
 ), inbox AS (
     UPDATE provider_callback_inbox
     SET process_status = 'processed', processed_at = now()
-    WHERE id IN (SELECT inbox_id FROM input WHERE inbox_id IS NOT NULL)
+    WHERE id = ANY (ARRAY(SELECT inbox_id FROM input WHERE inbox_id IS NOT NULL))
       AND process_status <> 'processed'  -- the inbox processor marked it first
     RETURNING id
 )
