@@ -716,9 +716,11 @@ async def test_a_batch_that_lost_the_lease_of_some_rows_applies_none_of_them(env
 ASLEEP = replace(FAST, poll_s=300.0)  # a poll that never comes within a test: only a wake-up
 
 
-async def test_an_idle_processor_is_woken_by_the_notify_of_a_stored_callback(env: Env) -> None:
-    task_id, _, _ = await env.task(provider_task_id="gen_w")
-    processor = env.processor(ASLEEP)
+async def applied_while_asleep(env: Env, processor: InboxProcessor, generation_id: str) -> None:
+    """Run ``processor`` until it sleeps on the idle lock, store a callback for a new task of
+    ``generation_id`` through env's writer (not the processor's process: no kick), and wait
+    until the processor has applied it; then stop it."""
+    task_id, _, _ = await env.task(provider_task_id=generation_id)
     stopping = asyncio.Event()
     job = asyncio.create_task(processor.run(stopping))
     try:
@@ -727,7 +729,7 @@ async def test_an_idle_processor_is_woken_by_the_notify_of_a_stored_callback(env
             "the processor asleep on the idle lock",
             20,
         )
-        await env.post_sandbox(generation("gen_w", "running", 2))  # another writer, no kick
+        await env.post_sandbox(generation(generation_id, "running", 2))
 
         async def applied() -> bool:
             return await env.status(task_id) == "running"
@@ -736,6 +738,10 @@ async def test_an_idle_processor_is_woken_by_the_notify_of_a_stored_callback(env
     finally:
         stopping.set()
         await job
+
+
+async def test_an_idle_processor_is_woken_by_the_notify_of_a_stored_callback(env: Env) -> None:
+    await applied_while_asleep(env, env.processor(ASLEEP), "gen_w")  # another writer, no kick
     assert not await holds_advisory_lock(env.db, IDLE_LOCK)  # the listening session is gone
 
 
@@ -1061,27 +1067,10 @@ async def test_with_a_handoff_the_table_is_claimed_only_when_it_may_hold_rows(
 async def test_a_processor_with_a_handoff_asleep_applies_another_process_s_callback(
     env: Env,
 ) -> None:
-    task_id, _, _ = await env.task(provider_task_id="gen_x")
     seen: list[int] = []
-    # Fed by nothing: its rows would come in memory; env's writer is another process's.
-    processor = handed_processor(env, Handoff(), seen, poll_s=3600.0)
-    stopping = asyncio.Event()
-    job = asyncio.create_task(processor.run(stopping))  # attaches the handoff
-    try:
-        await eventually(
-            lambda: holds_advisory_lock(env.db, IDLE_LOCK),
-            "the processor asleep on the idle lock",
-            20,
-        )
-        await env.post_sandbox(generation("gen_x", "running", 2))  # unleased: it notifies
-
-        async def applied() -> bool:
-            return await env.status(task_id) == "running"
-
-        await eventually(applied, "the callback applied", 20)
-    finally:
-        stopping.set()
-        await job
+    # Fed by nothing: its rows would come in memory; env's writer is another process's, whose
+    # row is stored unleased and notifies. run() attaches the handoff.
+    await applied_while_asleep(env, handed_processor(env, Handoff(), seen, poll_s=3600.0), "gen_x")
     assert len(seen) == 1
 
 
